@@ -1,0 +1,86 @@
+"""Configuration: one frozen dataclass per component, built once at start-up, never mutated.
+
+CLI flags map one-to-one onto these fields; `pdserve.cli` builds them and hands them down.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+Dtype = Literal["auto", "float32", "bfloat16", "float16"]
+Role = Literal["both", "prefill", "decode"]
+TransferMode = Literal["pull", "push"]
+TransportKind = Literal["tcp", "nixl"]
+
+
+def default_cache_dir() -> Path:
+    """Where built-in models are generated (override with PDSERVE_CACHE_DIR)."""
+    env = os.environ.get("PDSERVE_CACHE_DIR")
+    if env:
+        return Path(env)
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "pdserve"
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Which checkpoint to load and how."""
+
+    model: str = "builtin:tiny"  # "builtin:NAME" or a local Hugging Face directory
+    dtype: Dtype = "auto"
+    device: str = "cpu"
+    max_model_len: int | None = None  # None: the checkpoint's max_position_embeddings
+    seed: int = 0  # default sampling seed source for requests without one
+    cache_dir: Path = field(default_factory=default_cache_dir)
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV cache: block size and the memory budget that sets the number of blocks."""
+
+    block_size: int = 16
+    kv_cache_memory_gib: float = 0.25
+    num_blocks: int | None = None  # overrides the memory budget (tests)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Continuous batching limits."""
+
+    max_num_batched_tokens: int = 2048  # per-step token budget (prefill chunks + decodes)
+    max_num_seqs: int = 64  # cap on running sequences
+    max_prefill_chunk: int | None = None  # None: limited only by the token budget
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything one engine instance needs."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    threads: int | None = None  # torch intra-op threads; None keeps torch's default
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """One instance's HTTP front end."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_name: str | None = None  # None: derived from the model path
+    api_key: str | None = None
+
+
+@dataclass(frozen=True)
+class TransportConfig:
+    """KV transport backend and its side channel."""
+
+    kind: TransportKind = "tcp"
+    host: str = "127.0.0.1"
+    port: int = 0  # 0: pick a free port
+    cluster_token: str | None = None
+    timeout_s: float = 10.0  # a pending transfer to a dead peer errors after this
+    nixl_backend: Literal["UCX", "LIBFABRIC"] = "UCX"

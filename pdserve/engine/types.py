@@ -1,0 +1,52 @@
+"""Typed values that cross the engine boundary (front end <-> engine loop).
+
+All are msgspec structs so they can later cross a process boundary unchanged.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import msgspec
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS or a stop string
+    LENGTH = "length"  # max_tokens or max model length
+    ABORT = "abort"  # client went away or the request was cancelled
+    ERROR = "error"  # the engine (or a KV transfer) failed this request
+
+
+class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
+    """Per-request sampling. temperature == 0 means greedy."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: disabled
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+class RequestOutput(msgspec.Struct, kw_only=True):
+    """One increment of a request's output, streamed from the engine loop.
+
+    `new_token_ids` / `new_text` hold only what is new since the previous output.
+    The last output of a request has `finished=True` and a `finish_reason`; an
+    `ERROR` finish carries a human-readable `error`.
+    """
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
