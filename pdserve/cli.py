@@ -1,0 +1,67 @@
+"""`pdserve` command line: one subcommand per job, each implemented in its own module.
+
+Every command module exposes `add_arguments(parser)` and `main(args) -> int`; they are
+imported lazily so that `pdserve --help` stays fast and a missing optional dependency
+(nixl) only matters to the command that needs it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+# (command, module, one-line help)
+COMMANDS: tuple[tuple[str, str, str], ...] = (
+    ("serve", "pdserve.server.serve", "run one instance (monolithic, prefill or decode)"),
+    ("router", "pdserve.router.serve", "run the OpenAI-compatible P/D router"),
+    ("up", "pdserve.launcher", "start a local P/D cluster (instances + router)"),
+)
+BENCH_COMMANDS: tuple[tuple[str, str, str], ...] = (
+    ("serve", "pdserve.bench.serve", "replay traffic against an OpenAI-compatible endpoint"),
+    ("sweep", "pdserve.bench.sweep", "grid of input lengths x rates x modes, with report"),
+    ("engine", "pdserve.bench.engine", "prefill/decode tokens/s of the engine alone"),
+    ("transport", "pdserve.bench.transport", "KV transport bandwidth and latency"),
+)
+
+
+def _add(sub: argparse._SubParsersAction, name: str, module: str, help_: str) -> None:
+    parser = sub.add_parser(name, help=help_, description=help_)
+    parser.set_defaults(_module=module)
+    try:
+        importlib.import_module(module).add_arguments(parser)
+    except ModuleNotFoundError as exc:
+        if not exc.name or not exc.name.startswith("pdserve"):
+            raise
+        parser.set_defaults(_missing=f"'{name}' is not available in this build ({exc.name})")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The full parser, with every available subcommand."""
+    parser = argparse.ArgumentParser(
+        prog="pdserve",
+        description="Prefill/decode disaggregated LLM serving with push-based KV transfer.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, module, help_ in COMMANDS:
+        _add(sub, name, module, help_)
+    bench = sub.add_parser("bench", help="benchmarks", description="benchmarks")
+    bench_sub = bench.add_subparsers(dest="bench_command", metavar="BENCH", required=True)
+    for name, module, help_ in BENCH_COMMANDS:
+        _add(bench_sub, name, module, help_)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the `pdserve` console script."""
+    args = build_parser().parse_args(argv)
+    missing = getattr(args, "_missing", None)
+    if missing:
+        print(f"pdserve: {missing}", file=sys.stderr)
+        return 2
+    return int(importlib.import_module(args._module).main(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
