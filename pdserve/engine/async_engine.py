@@ -1,6 +1,152 @@
-"""Asyncio-facing handle on the engine loop (which runs in its own thread).
+"""Asyncio-facing handle on the engine loop, which runs in its own thread.
 
-Owned by the HTTP front end. The engine thread owns every KV block; the front end
-only ever sees request ids and `RequestOutput`s.
+Ownership: the engine thread owns the scheduler, the block pool and every KV block.
+The front end (HTTP handlers on the asyncio loop) never touches them; it submits
+`EngineRequest`s and aborts through a thread-safe inbox and receives `RequestOutput`s
+through one asyncio queue per request. The engine loop never waits on the front end:
+handing an output over is `loop.call_soon_threadsafe`, which does not block.
 """
-# Implementation lands with the engine loop (issue 1); the signatures below are the contract.
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import msgspec
+
+from pdserve.engine.engine import LLMEngine
+from pdserve.engine.types import EngineRequest, EngineStats, FinishReason, RequestOutput
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop died; the instance can no longer serve."""
+
+
+@dataclass
+class _Sink:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[RequestOutput]
+
+
+class _Abort(msgspec.Struct, frozen=True):
+    request_id: str
+
+
+class AsyncEngine:
+    """Runs `LLMEngine.step()` in a dedicated thread and streams outputs to asyncio callers."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._inbox: queue.SimpleQueue[EngineRequest | _Abort | None] = queue.SimpleQueue()
+        self._sinks: dict[str, _Sink] = {}
+        self._sinks_lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name="pdserve-engine", daemon=True)
+        self._stopping = threading.Event()
+        self.error: BaseException | None = None
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def start(self) -> None:
+        """Start the engine thread (idempotent)."""
+        if not self._thread.is_alive() and not self._stopping.is_set():
+            self._thread.start()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the engine thread; in-flight requests end with ABORT."""
+        self._stopping.set()
+        self._inbox.put(None)
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread.is_alive() and self.error is None
+
+    # -- requests --------------------------------------------------------------------------
+    async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
+        """Submit `request` and yield its outputs until the finished one.
+
+        Closing the iterator early (client disconnect, task cancelled) aborts the request,
+        which frees its KV blocks in the engine thread.
+        """
+        if not self.is_alive:
+            raise EngineDeadError(f"engine is not running: {self.error!r}")
+        sink = _Sink(asyncio.get_running_loop(), asyncio.Queue())
+        with self._sinks_lock:
+            if request.request_id in self._sinks:
+                raise ValueError(f"duplicate request id {request.request_id!r}")
+            self._sinks[request.request_id] = sink
+        self._inbox.put(request)
+        finished = False
+        try:
+            while not finished:
+                out = await sink.queue.get()
+                finished = out.finished
+                yield out
+        finally:
+            with self._sinks_lock:
+                self._sinks.pop(request.request_id, None)
+            if not finished:
+                self._inbox.put(_Abort(request.request_id))
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request from any thread; its stream ends with FinishReason.ABORT."""
+        self._inbox.put(_Abort(request_id))
+
+    def stats(self) -> EngineStats:
+        """A snapshot of queue and KV-block counters (read without locking: ints only)."""
+        return self.engine.stats()
+
+    # -- engine thread ---------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while not self._stopping.is_set():
+                if not self._drain_inbox(block=not self.engine.has_work()):
+                    break
+                if self.engine.has_work():
+                    self._deliver(self.engine.step())
+        except BaseException as exc:  # a dead engine must not look alive
+            self.error = exc
+            raise
+        finally:
+            self._fail_all()
+
+    def _drain_inbox(self, block: bool) -> bool:
+        """Apply queued adds/aborts; returns False when asked to stop."""
+        while True:
+            try:
+                item = self._inbox.get(block=block, timeout=0.5 if block else None)
+            except queue.Empty:
+                return not self._stopping.is_set()
+            block = False
+            if item is None:
+                return False
+            if isinstance(item, _Abort):
+                self._deliver(self.engine.abort_request(item.request_id))
+            else:
+                self._deliver(self.engine.add_request(item))
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            with self._sinks_lock:
+                sink = self._sinks.get(out.request_id)
+            if sink is not None:
+                sink.loop.call_soon_threadsafe(sink.queue.put_nowait, out)
+
+    def _fail_all(self) -> None:
+        reason = FinishReason.ERROR if self.error else FinishReason.ABORT
+        msg = f"engine stopped: {self.error!r}" if self.error else "engine shut down"
+        with self._sinks_lock:
+            sinks = list(self._sinks.items())
+        for rid, sink in sinks:
+            out = RequestOutput(
+                request_id=rid,
+                new_token_ids=[],
+                new_text="",
+                finished=True,
+                finish_reason=reason,
+                error=msg,
+            )
+            sink.loop.call_soon_threadsafe(sink.queue.put_nowait, out)

@@ -50,3 +50,22 @@ class RequestOutput(msgspec.Struct, kw_only=True):
     error: str | None = None
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
+
+
+class EngineRequest(msgspec.Struct, frozen=True, kw_only=True):
+    """A validated request as handed to the engine (the front end checked lengths)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float = 0.0
+
+
+class EngineStats(msgspec.Struct, frozen=True, kw_only=True):
+    """Counters for /metrics and load reports."""
+
+    num_running: int
+    num_waiting: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    num_preemptions: int = 0

@@ -1,0 +1,191 @@
+"""LLMEngine: one step of continuous batching at a time, in the engine thread.
+
+    step():  schedule -> run the model -> append sampled tokens -> emit outputs
+
+Ownership: the engine owns the block pool, the KV cache and the scheduler. A request's
+blocks are freed exactly once, by `Scheduler.finish`, when it finishes, is aborted or
+fails. `check_integrity()` verifies the pool (tests call it after every scenario).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from pdserve.config import EngineConfig
+from pdserve.engine.detokenizer import IncrementalDetokenizer
+from pdserve.engine.request import Request
+from pdserve.engine.runner import ModelRunner
+from pdserve.engine.scheduler import Scheduler, SchedulerOutput, blocks_needed
+from pdserve.engine.types import EngineRequest, EngineStats, FinishReason, RequestOutput
+from pdserve.kv.block_pool import BlockPool
+from pdserve.kv.cache import KVCache
+from pdserve.model.loader import LoadedModel, load_model
+
+log = logging.getLogger(__name__)
+
+
+class LLMEngine:
+    """A paged-KV engine over one loaded model. Not thread-safe: one thread drives it."""
+
+    def __init__(self, loaded: LoadedModel, cfg: EngineConfig) -> None:
+        self.cfg = cfg
+        self.loaded = loaded
+        self.tokenizer = loaded.tokenizer
+        self.model_name = loaded.name
+        spec = loaded.spec
+        self.max_model_len = cfg.model.max_model_len or spec.max_position_embeddings
+        device = torch.device(cfg.model.device)
+        bs = cfg.cache.block_size
+        num_blocks = cfg.cache.num_blocks or KVCache.num_blocks_for_budget(
+            spec, int(cfg.cache.kv_cache_memory_gib * 2**30), bs, loaded.dtype
+        )
+        self.kv = KVCache.allocate(spec, num_blocks, bs, loaded.dtype, device)
+        self.pool = BlockPool(num_blocks)
+        self.scheduler = Scheduler(cfg.scheduler, self.pool, bs)
+        self.runner = ModelRunner(loaded.model, self.kv, device)
+        self.requests: dict[str, Request] = {}
+        log.info("engine: %s, %d KV blocks of %d tokens", self.model_name, num_blocks, bs)
+
+    @classmethod
+    def from_config(cls, cfg: EngineConfig) -> LLMEngine:
+        """Load the model named in `cfg` and build an engine around it."""
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
+        return cls(load_model(cfg.model), cfg)
+
+    # -- requests --------------------------------------------------------------------------
+    def add_request(self, er: EngineRequest) -> list[RequestOutput]:
+        """Queue a request; returns an immediate error output if it can never run."""
+        problem = self._validate(er)
+        if problem:
+            return [_error_output(er.request_id, problem, len(er.prompt_token_ids))]
+        detok = IncrementalDetokenizer(self.tokenizer, er.params.stop)
+        req = Request(er, detok)
+        self.requests[req.request_id] = req
+        self.scheduler.add(req)
+        return []
+
+    def _validate(self, er: EngineRequest) -> str | None:
+        if er.request_id in self.requests:
+            return f"request id {er.request_id!r} is already in use"
+        total = len(er.prompt_token_ids) + er.params.max_tokens
+        if not er.prompt_token_ids:
+            return "the prompt is empty"
+        if total > self.max_model_len:
+            return (
+                f"prompt + max_tokens = {total} exceeds the max model length {self.max_model_len}"
+            )
+        if blocks_needed(total, self.kv.block_size) > self.pool.num_blocks:
+            return f"prompt + max_tokens = {total} tokens do not fit in the KV cache"
+        return None
+
+    def abort_request(self, request_id: str) -> list[RequestOutput]:
+        """Abort a request wherever it is; frees its blocks. Unknown ids are ignored."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return []
+        return [self._finish(req, FinishReason.ABORT)]
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    # -- the loop body ---------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one batch; returns the outputs produced by it."""
+        sched = self.scheduler.schedule()
+        if not sched.seqs:
+            return []
+        try:
+            sampled = self.runner.execute(sched.seqs)
+        except Exception as exc:  # one bad batch must not kill the instance
+            log.exception("engine step failed; failing its %d requests", len(sched.seqs))
+            return [self._fail(s.request, f"engine step failed: {exc}") for s in sched.seqs]
+        return self._update(sched, sampled)
+
+    def _fail(self, req: Request, message: str) -> RequestOutput:
+        out = self._finish(req, FinishReason.ERROR)
+        out.error = message
+        return out
+
+    def _update(self, sched: SchedulerOutput, sampled: dict[str, int]) -> list[RequestOutput]:
+        outputs = []
+        for s in sched.seqs:
+            req = s.request
+            req.num_computed_tokens = s.num_computed + s.num_new
+            token = sampled.get(req.request_id)
+            if token is not None:
+                outputs.append(self._append_token(req, token))
+        return outputs
+
+    def _append_token(self, req: Request, token: int) -> RequestOutput:
+        req.output_token_ids.append(token)
+        stopped = self._stops(req, token)
+        reason = FinishReason.STOP if stopped else self._length_reason(req)
+        if reason is not None:
+            return self._finish(req, reason, [token])
+        return self._output(req, [token], final=False)
+
+    def _stops(self, req: Request, token: int) -> bool:
+        p = req.params
+        if token in p.stop_token_ids:
+            return True
+        if not p.ignore_eos and token in self.tokenizer.eos_token_ids:
+            return True
+        return req.detok.append(token)
+
+    def _length_reason(self, req: Request) -> FinishReason | None:
+        if len(req.output_token_ids) >= req.params.max_tokens:
+            return FinishReason.LENGTH
+        if req.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _finish(
+        self, req: Request, reason: FinishReason, new: list[int] | None = None
+    ) -> RequestOutput:
+        self.scheduler.finish(req)
+        req.finish_reason = reason
+        del self.requests[req.request_id]
+        return self._output(req, new or [], final=True)
+
+    def _output(self, req: Request, new: list[int], final: bool) -> RequestOutput:
+        return RequestOutput(
+            request_id=req.request_id,
+            new_token_ids=new,
+            new_text=req.detok.take(final),
+            finished=final,
+            finish_reason=req.finish_reason,
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_output_tokens=len(req.output_token_ids),
+        )
+
+    # -- introspection ---------------------------------------------------------------------
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_blocks_used=self.pool.num_used,
+            kv_blocks_total=self.pool.num_blocks,
+            num_preemptions=self.scheduler.num_preemptions,
+        )
+
+    def check_integrity(self) -> None:
+        """Pool consistent, and every used block belongs to a live request."""
+        self.pool.check_integrity()
+        owned = sum(len(r.block_ids) for r in self.requests.values())
+        if owned != self.pool.num_used:
+            raise AssertionError(f"{self.pool.num_used} blocks used, requests own {owned}")
+
+
+def _error_output(request_id: str, message: str, num_prompt: int) -> RequestOutput:
+    return RequestOutput(
+        request_id=request_id,
+        new_token_ids=[],
+        new_text="",
+        finished=True,
+        finish_reason=FinishReason.ERROR,
+        error=message,
+        num_prompt_tokens=num_prompt,
+    )

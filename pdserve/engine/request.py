@@ -1,0 +1,68 @@
+"""A request's life inside the engine: its tokens, its blocks and its state.
+
+Owned by the engine thread. `block_ids` are owned (in the block pool) by the tag
+`request_id` while the request is WAITING (after a preemption they are empty),
+PREFILLING or RUNNING; a request in WAITING_FOR_REMOTE_KV owns blocks under the
+connector's tag instead (see pdserve.transfer.connector).
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+
+import torch
+
+from pdserve.engine.detokenizer import IncrementalDetokenizer
+from pdserve.engine.types import EngineRequest, FinishReason, SamplingParams
+
+
+class RequestState(enum.Enum):
+    WAITING = "waiting"  # queued for admission (new, or preempted and to be recomputed)
+    WAITING_FOR_REMOTE_KV = "waiting_for_remote_kv"  # D side: blocks reserved, KV arriving
+    RUNNING = "running"  # admitted: prefilling in chunks, then decoding
+    FINISHED = "finished"
+
+
+class Request:
+    """Mutable per-request state; only the engine thread touches it."""
+
+    def __init__(self, req: EngineRequest, detok: IncrementalDetokenizer) -> None:
+        self.request_id = req.request_id
+        self.prompt_token_ids = list(req.prompt_token_ids)
+        self.params: SamplingParams = req.params
+        self.arrival_time = req.arrival_time or time.monotonic()
+        self.output_token_ids: list[int] = []
+        self.block_ids: list[int] = []
+        self.num_computed_tokens = 0  # tokens whose K/V are in this request's blocks
+        self.state = RequestState.WAITING
+        self.finish_reason: FinishReason | None = None
+        self.detok = detok
+        self.generator: torch.Generator | None = None
+        if req.params.seed is not None:
+            self.generator = torch.Generator().manual_seed(req.params.seed)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end) of prompt + output."""
+        p = len(self.prompt_token_ids)
+        if end <= p:
+            return self.prompt_token_ids[start:end]
+        return (self.prompt_token_ids + self.output_token_ids)[start:end]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.state is RequestState.FINISHED
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, {self.state.name}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens}, blocks={len(self.block_ids)})"
+        )
