@@ -45,4 +45,4 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[last])
         reqs = [seqs[i].request for i in rows]
         tokens = sample(logits, [r.params for r in reqs], [r.generator for r in reqs])
-        return {r.request_id: t for r, t in zip(reqs, tokens)}
+        return {r.request_id: t for r, t in zip(reqs, tokens, strict=True)}
