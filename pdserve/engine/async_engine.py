@@ -35,12 +35,18 @@ class _Abort(msgspec.Struct, frozen=True):
     request_id: str
 
 
+class _Wake(msgspec.Struct, frozen=True):
+    """Connector threads post this so the engine thread polls them without waiting."""
+
+
 class AsyncEngine:
     """Runs `LLMEngine.step()` in a dedicated thread and streams outputs to asyncio callers."""
 
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
-        self._inbox: queue.SimpleQueue[EngineRequest | _Abort | None] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[EngineRequest | _Abort | _Wake | None] = queue.SimpleQueue()
+        if engine.connector is not None:
+            engine.connector.wake = lambda: self._inbox.put(_Wake())
         self._sinks: dict[str, _Sink] = {}
         self._sinks_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="pdserve-engine", daemon=True)
@@ -105,6 +111,7 @@ class AsyncEngine:
             while not self._stopping.is_set():
                 if not self._drain_inbox(block=not self.engine.has_work()):
                     break
+                self._deliver(self.engine.poll_connector())
                 if self.engine.has_work():
                     self._deliver(self.engine.step())
         except BaseException as exc:  # a dead engine must not look alive
@@ -112,6 +119,7 @@ class AsyncEngine:
             raise
         finally:
             self._fail_all()
+            self.engine.close()
 
     def _drain_inbox(self, block: bool) -> bool:
         """Apply queued adds/aborts; returns False when asked to stop."""
@@ -125,7 +133,7 @@ class AsyncEngine:
                 return False
             if isinstance(item, _Abort):
                 self._deliver(self.engine.abort_request(item.request_id))
-            else:
+            elif isinstance(item, EngineRequest):
                 self._deliver(self.engine.add_request(item))
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:

@@ -10,18 +10,23 @@ fails. `check_integrity()` verifies the pool (tests call it after every scenario
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 
 from pdserve.config import EngineConfig
 from pdserve.engine.detokenizer import IncrementalDetokenizer
-from pdserve.engine.request import Request
+from pdserve.engine.request import Request, RequestState
 from pdserve.engine.runner import ModelRunner
 from pdserve.engine.scheduler import Scheduler, SchedulerOutput, blocks_needed
 from pdserve.engine.types import EngineRequest, EngineStats, FinishReason, RequestOutput
 from pdserve.kv.block_pool import BlockPool
 from pdserve.kv.cache import KVCache
 from pdserve.model.loader import LoadedModel, load_model
+from pdserve.transfer.connector import KVConnector, KVReady
+from pdserve.transfer.params import KVTransferParams
+
+ConnectorFactory = Callable[[KVCache, BlockPool, LoadedModel], KVConnector]
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +34,12 @@ log = logging.getLogger(__name__)
 class LLMEngine:
     """A paged-KV engine over one loaded model. Not thread-safe: one thread drives it."""
 
-    def __init__(self, loaded: LoadedModel, cfg: EngineConfig) -> None:
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        cfg: EngineConfig,
+        connector_factory: ConnectorFactory | None = None,
+    ) -> None:
         self.cfg = cfg
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
@@ -46,14 +56,20 @@ class LLMEngine:
         self.scheduler = Scheduler(cfg.scheduler, self.pool, bs)
         self.runner = ModelRunner(loaded.model, self.kv, device)
         self.requests: dict[str, Request] = {}
+        self.connector: KVConnector | None = None
+        if connector_factory is not None:
+            self.connector = connector_factory(self.kv, self.pool, loaded)
+            self.scheduler.on_remote_admit = self.connector.start_receive
         log.info("engine: %s, %d KV blocks of %d tokens", self.model_name, num_blocks, bs)
 
     @classmethod
-    def from_config(cls, cfg: EngineConfig) -> LLMEngine:
-        """Load the model named in `cfg` and build an engine around it."""
+    def from_config(
+        cls, cfg: EngineConfig, connector_factory: ConnectorFactory | None = None
+    ) -> LLMEngine:
+        """Load the model named in `cfg` and build an engine (and connector) around it."""
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
-        return cls(load_model(cfg.model), cfg)
+        return cls(load_model(cfg.model), cfg, connector_factory)
 
     # -- requests --------------------------------------------------------------------------
     def add_request(self, er: EngineRequest) -> list[RequestOutput]:
@@ -79,6 +95,18 @@ class LLMEngine:
             )
         if blocks_needed(total, self.kv.block_size) > self.pool.num_blocks:
             return f"prompt + max_tokens = {total} tokens do not fit in the KV cache"
+        p = er.kv_transfer
+        if p and (p.do_remote_prefill or p.do_remote_decode) and self.connector is None:
+            return "kv_transfer_params given, but this instance runs without a KV connector"
+        if (
+            p
+            and p.do_remote_prefill
+            and p.remote_num_tokens not in (None, len(er.prompt_token_ids))
+        ):
+            return (
+                f"the prefill instance computed {p.remote_num_tokens} prompt tokens, "
+                f"this request has {len(er.prompt_token_ids)}"
+            )
         return None
 
     def abort_request(self, request_id: str) -> list[RequestOutput]:
@@ -89,7 +117,24 @@ class LLMEngine:
         return [self._finish(req, FinishReason.ABORT)]
 
     def has_work(self) -> bool:
+        """True when `step()` would compute (connector events are polled separately)."""
         return self.scheduler.has_work()
+
+    def poll_connector(self) -> list[RequestOutput]:
+        """Apply the connector's events: KV arrived (emit P's first token), KV failed."""
+        if self.connector is None:
+            return []
+        outputs = []
+        for ev in self.connector.poll():
+            req = self.requests.get(ev.request_id)
+            if req is None:
+                continue
+            if isinstance(ev, KVReady):
+                self.scheduler.kv_arrived(req)
+                outputs.append(self._append_token(req, ev.first_token_id))
+            else:
+                outputs.append(self._fail(req, ev.error))
+        return outputs
 
     # -- the loop body ---------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -136,7 +181,7 @@ class LLMEngine:
         return req.detok.append(token)
 
     def _length_reason(self, req: Request) -> FinishReason | None:
-        if len(req.output_token_ids) >= req.params.max_tokens:
+        if req.is_remote_decode or len(req.output_token_ids) >= req.params.max_tokens:
             return FinishReason.LENGTH
         if req.num_tokens >= self.max_model_len:
             return FinishReason.LENGTH
@@ -145,10 +190,25 @@ class LLMEngine:
     def _finish(
         self, req: Request, reason: FinishReason, new: list[int] | None = None
     ) -> RequestOutput:
+        params = self._hand_over(req, reason)
         self.scheduler.finish(req)
         req.finish_reason = reason
         del self.requests[req.request_id]
-        return self._output(req, new or [], final=True)
+        out = self._output(req, new or [], final=True)
+        out.kv_transfer_params = params
+        return out
+
+    def _hand_over(self, req: Request, reason: FinishReason) -> KVTransferParams | None:
+        """P/D: give the request's blocks to the connector before the request ends."""
+        if self.connector is None:
+            return None
+        if req.state is RequestState.WAITING_FOR_REMOTE_KV:
+            self.connector.cancel_receive(req)
+        elif req.is_remote_decode and reason in (FinishReason.STOP, FinishReason.LENGTH):
+            return self.connector.prefill_done(req, req.output_token_ids[-1])
+        elif req.is_remote_decode:
+            self.connector.prefill_failed(req, f"prefill ended: {reason.value}")
+        return None
 
     def _output(self, req: Request, new: list[int], final: bool) -> RequestOutput:
         return RequestOutput(
@@ -166,17 +226,24 @@ class LLMEngine:
         return EngineStats(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
+            num_waiting_for_kv=len(self.scheduler.waiting_for_kv),
             kv_blocks_used=self.pool.num_used,
             kv_blocks_total=self.pool.num_blocks,
             num_preemptions=self.scheduler.num_preemptions,
         )
 
     def check_integrity(self) -> None:
-        """Pool consistent, and every used block belongs to a live request."""
+        """Pool consistent, and every used block belongs to a live request or the connector."""
         self.pool.check_integrity()
         owned = sum(len(r.block_ids) for r in self.requests.values())
+        if self.connector is not None:
+            owned += self.connector.num_blocks_held()
         if owned != self.pool.num_used:
-            raise AssertionError(f"{self.pool.num_used} blocks used, requests own {owned}")
+            raise AssertionError(f"{self.pool.num_used} blocks used, owners account for {owned}")
+
+    def close(self) -> None:
+        if self.connector is not None:
+            self.connector.close()
 
 
 def _error_output(request_id: str, message: str, num_prompt: int) -> RequestOutput:

@@ -38,6 +38,10 @@ class Request:
         self.state = RequestState.WAITING
         self.finish_reason: FinishReason | None = None
         self.detok = detok
+        self.kv_transfer = req.kv_transfer
+        # D side: the prompt's KV comes from a prefill instance, not from our own compute.
+        self.needs_remote_kv = bool(req.kv_transfer and req.kv_transfer.do_remote_prefill)
+        self.kv_deadline = float("inf")  # D: the connector's watchdog deadline
         self.generator: torch.Generator | None = None
         if req.params.seed is not None:
             self.generator = torch.Generator().manual_seed(req.params.seed)
@@ -56,6 +60,11 @@ class Request:
         if end <= p:
             return self.prompt_token_ids[start:end]
         return (self.prompt_token_ids + self.output_token_ids)[start:end]
+
+    @property
+    def is_remote_decode(self) -> bool:
+        """P side: only the prompt is computed here; the KV then goes to a decode instance."""
+        return bool(self.kv_transfer and self.kv_transfer.do_remote_decode)
 
     @property
     def is_finished(self) -> bool:

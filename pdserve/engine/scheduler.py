@@ -15,6 +15,7 @@ aborted or is preempted. Nothing else frees a running request's blocks.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pdserve.config import SchedulerConfig
@@ -59,13 +60,17 @@ class Scheduler:
         self.block_size = block_size
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.waiting_for_kv: dict[str, Request] = {}
         self.num_preemptions = 0
+        # D side: called when a request whose KV comes from a prefill instance is admitted.
+        self.on_remote_admit: Callable[[Request], None] = _no_remote
 
     def add(self, req: Request) -> None:
         req.state = RequestState.WAITING
         self.waiting.append(req)
 
     def has_work(self) -> bool:
+        """True when a step would compute something (requests waiting for KV do not count)."""
         return bool(self.waiting or self.running)
 
     def schedule(self) -> SchedulerOutput:
@@ -108,9 +113,16 @@ class Scheduler:
             i += 1
         return budget
 
+    def _num_seqs(self) -> int:
+        return len(self.running) + len(self.waiting_for_kv)
+
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
+        while self.waiting and budget > 0 and self._num_seqs() < self.cfg.max_num_seqs:
             req = self.waiting[0]
+            if req.needs_remote_kv:
+                if not self._admit_remote(req):
+                    break
+                continue
             n = self._chunk(req, budget)
             if not self._grow(req, req.num_computed_tokens + n):
                 break
@@ -119,6 +131,24 @@ class Scheduler:
             self.running.append(req)
             out.seqs.append(ScheduledSeq(req, req.num_computed_tokens, n))
             budget -= n
+
+    def _admit_remote(self, req: Request) -> bool:
+        """D: reserve blocks for the whole prompt and hand the request to the connector."""
+        if not self._grow(req, req.num_prompt_tokens):
+            return False
+        self.waiting.popleft()
+        req.state = RequestState.WAITING_FOR_REMOTE_KV
+        self.waiting_for_kv[req.request_id] = req
+        self.on_remote_admit(req)
+        return True
+
+    def kv_arrived(self, req: Request) -> None:
+        """D: the prompt's KV is in the request's blocks; it decodes from now on."""
+        del self.waiting_for_kv[req.request_id]
+        req.needs_remote_kv = False
+        req.num_computed_tokens = req.num_prompt_tokens
+        req.state = RequestState.RUNNING
+        self.running.append(req)
 
     def _preempt(self, req: Request) -> None:
         self.pool.free(req.block_ids, req.request_id)
@@ -134,7 +164,12 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
+        self.waiting_for_kv.pop(req.request_id, None)
         if req.block_ids:
             self.pool.free(req.block_ids, req.request_id)
             req.block_ids = []
         req.state = RequestState.FINISHED
+
+
+def _no_remote(req: Request) -> None:
+    raise RuntimeError(f"{req.request_id}: remote KV requested but no connector is configured")

@@ -9,6 +9,8 @@ import enum
 
 import msgspec
 
+from pdserve.transfer.params import KVTransferParams
+
 
 class FinishReason(str, enum.Enum):
     STOP = "stop"  # EOS or a stop string
@@ -50,6 +52,7 @@ class RequestOutput(msgspec.Struct, kw_only=True):
     error: str | None = None
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
+    kv_transfer_params: KVTransferParams | None = None  # P side: what D needs (see params.py)
 
 
 class EngineRequest(msgspec.Struct, frozen=True, kw_only=True):
@@ -59,6 +62,7 @@ class EngineRequest(msgspec.Struct, frozen=True, kw_only=True):
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival_time: float = 0.0
+    kv_transfer: KVTransferParams | None = None  # P/D legs only (validated by the front end)
 
 
 class EngineStats(msgspec.Struct, frozen=True, kw_only=True):
@@ -69,3 +73,4 @@ class EngineStats(msgspec.Struct, frozen=True, kw_only=True):
     kv_blocks_used: int
     kv_blocks_total: int
     num_preemptions: int = 0
+    num_waiting_for_kv: int = 0

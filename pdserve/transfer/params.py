@@ -35,6 +35,7 @@ class KVTransferParams(
     transfer_mode: TransferModeName | None = None
     transfer_id: str | None = None
     remote_engine_id: str | None = None
+    remote_incarnation: str | None = None  # when given, a different one forces a re-handshake
     remote_host: str | None = None
     remote_port: int | None = None  # the remote instance's side-channel port
     remote_block_ids: list[int] | None = None  # pull: P's blocks holding the prompt's KV

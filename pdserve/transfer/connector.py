@@ -1,0 +1,451 @@
+"""The KV connector contract, shared by the pull and push implementations.
+
+A connector moves a prompt's KV blocks from a prefill instance (P) to a decode
+instance (D). It has two sides:
+
+Scheduler side (called only from the engine thread; may touch the block pool):
+  - `start_receive(req)`  D: the request was admitted with its prompt's blocks
+    allocated (owner tag = request id) and is now WAITING_FOR_REMOTE_KV. The
+    connector starts the load (pull: READ from P; push: register with P).
+  - `prefill_done(req, first_token)`  P: the prompt is computed. The connector takes
+    the request's blocks (owner tag "hold:<transfer_id>") and returns the
+    `kv_transfer_params` for the router. The request itself then finishes.
+  - `prefill_failed(req, reason)`  P: the prompt will never be computed (abort,
+    error); push tells D at once.
+  - `cancel_receive(req)`  D: the request ended while waiting for KV (abort,
+    watchdog). Its blocks go to quarantine ("quarantine:<transfer_id>") until no
+    write or read can still land in them, then back to the pool.
+  - `poll()`  applies what the worker threads reported (KV arrived, KV failed, P's
+    hold released) and the deadlines; returns the events the engine must act on.
+
+Worker side (connector threads; never the engine thread, never the block pool):
+  the side-channel receiver, and the mode's transfer thread(s): pull's reader on D,
+  push's writer on P. They report to the engine thread through one event queue and
+  wake it with `wake()`.
+
+Who owns a block, at every moment:
+  P: request id (prefilling) -> "hold:<tid>" (lease: pull until D's PullDone or
+     `lease_s`; push until the WRITE completes, fails, or `lease_s` without a
+     registration) -> free.
+  D: request id (WAITING_FOR_REMOTE_KV, guarded by `recv_timeout_s`) -> running
+     request, or -> "quarantine:<tid>" (until the peer acknowledges that no
+     transfer is in flight, the peer is dropped, or `quarantine_s` passes) -> free.
+
+What goes back to the router: P's response carries `kv_transfer_params` (see
+pdserve.transfer.params); D's stream is the client's answer. The first token is the
+one P sampled (carried in the params for pull, in the WRITE's notification for
+push), so D emits it as soon as the KV is in place, without a model step.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import secrets
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import msgspec
+
+from pdserve.engine.request import Request
+from pdserve.kv.block_pool import BlockPool
+from pdserve.kv.cache import KVCache
+from pdserve.transfer import messages as m
+from pdserve.transfer.descriptors import Desc, block_descriptors
+from pdserve.transfer.params import KVTransferParams
+from pdserve.transfer.side_channel import Address, SideChannel, new_nonce
+
+if TYPE_CHECKING:
+    from pdserve.transfer.transport import Transport
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ConnectorConfig:
+    """P/D transfer settings of one instance."""
+
+    role: str  # "prefill" | "decode" | "both"
+    mode: str  # "pull" | "push"
+    engine_id: str
+    incarnation: str = field(default_factory=lambda: secrets.token_hex(6))
+    side_host: str = "127.0.0.1"
+    side_port: int = 0
+    cluster_token: str | None = None
+    lease_s: float = 30.0  # P holds finished blocks at most this long
+    recv_timeout_s: float = 30.0  # D waits at most this long for the KV (watchdog)
+    quarantine_s: float = 60.0  # D keeps fenced blocks at most this long
+    handshake_timeout_s: float = 10.0
+    registration_ttl_s: float = 30.0  # P drops a registration nobody claims after this
+    # Tests force an arrival order with these: D delays its registration; P delays handing
+    # a finished prompt to the writer.
+    push_register_delay_s: float = 0.0
+    push_finish_delay_s: float = 0.0
+
+
+class KVReady(msgspec.Struct, frozen=True):
+    """Engine event: the request's prompt KV is in its blocks; P sampled `first_token_id`."""
+
+    request_id: str
+    first_token_id: int
+    prefill_done_time: float
+
+
+class KVFailed(msgspec.Struct, frozen=True):
+    """Engine event: the KV will never arrive; fail the request with `error`."""
+
+    request_id: str
+    error: str
+
+
+Event = KVReady | KVFailed
+
+
+class Arrived(msgspec.Struct, frozen=True):
+    """Worker report: the KV of `transfer_id` landed."""
+
+    transfer_id: str
+    first_token_id: int
+    prefill_done_time: float
+
+
+class Failed(msgspec.Struct, frozen=True):
+    """Worker report: the transfer `transfer_id` failed for good."""
+
+    transfer_id: str
+    error: str
+
+
+@dataclass
+class Peer:
+    engine_id: str
+    incarnation: str
+    address: Address
+    transport_peer: object
+    num_blocks: int
+
+
+@dataclass
+class _Hold:
+    """P: blocks kept for a transfer after the prompt finished."""
+
+    transfer_id: str
+    blocks: list[int]
+    num_tokens: int
+    first_token_id: int
+    done_time: float
+    deadline: float
+
+
+@dataclass
+class _Quarantine:
+    blocks: list[int]
+    deadline: float
+
+
+class KVConnector:
+    """Shared machinery: side channel, handshakes, peers, events, holds and quarantine."""
+
+    def __init__(
+        self,
+        cfg: ConnectorConfig,
+        kv: KVCache,
+        pool: BlockPool,
+        compat: m.Compat,
+        transport: Transport,
+    ) -> None:
+        self.cfg = cfg
+        self.kv = kv
+        self.pool = pool
+        self.compat = compat
+        self.transport = transport
+        self.wake: Callable[[], None] = lambda: None  # set by the engine driver
+        self._events: queue.SimpleQueue[object] = queue.SimpleQueue()
+        self._peers: dict[str, Peer] = {}  # engine id -> peer
+        self._peers_lock = threading.Lock()
+        self.holds: dict[str, _Hold] = {}  # engine thread only
+        self.quarantine: dict[str, _Quarantine] = {}  # engine thread only
+        self.receiving: dict[str, Request] = {}  # transfer id -> D request (engine thread)
+        self.stats = ConnectorStats()
+        self.side = SideChannel(self._on_message, cfg.side_host, cfg.side_port, cfg.cluster_token)
+
+    # -- scheduler side: overridden by each mode --------------------------------------------
+    def start_receive(self, req: Request) -> None:
+        """D: remember the waiting request and arm its watchdog; the mode starts the load."""
+        req.kv_deadline = time.monotonic() + self.cfg.recv_timeout_s
+        self.receiving[transfer_id_of(req)] = req
+
+    def prefill_done(self, req: Request, first_token: int) -> KVTransferParams:
+        raise NotImplementedError
+
+    def prefill_failed(self, req: Request, reason: str) -> None:
+        """Default: nothing was promised to anyone yet."""
+
+    def cancel_receive(self, req: Request) -> None:
+        """D: fence the request's blocks until no transfer can land in them."""
+        tid = transfer_id_of(req)
+        self.receiving.pop(tid, None)
+        if req.block_ids:
+            self.pool.transfer(req.block_ids, req.request_id, f"quarantine:{tid}")
+            deadline = time.monotonic() + self.cfg.quarantine_s
+            self.quarantine[tid] = _Quarantine(req.block_ids, deadline)
+            req.block_ids = []
+        self._on_cancel(tid)
+
+    def _on_cancel(self, tid: str) -> None:
+        """Mode hook: tell whoever may still touch the blocks."""
+
+    # -- engine thread: events and deadlines --------------------------------------------------
+    def poll(self) -> list[Event]:
+        """Drain worker reports, release holds and quarantines, enforce deadlines."""
+        out: list[Event] = []
+        while True:
+            try:
+                item = self._events.get_nowait()
+            except queue.Empty:
+                break
+            out += self._apply(item)
+        out += self._expire(time.monotonic())
+        return out
+
+    def _apply(self, item: object) -> list[Event]:
+        if isinstance(item, ReleaseHold):
+            self.release_hold(item.transfer_id, item.reason)
+        elif isinstance(item, ReleaseQuarantine):
+            self.release_quarantine(item.transfer_id)
+        elif isinstance(item, (Arrived, Failed)):
+            # An outcome counts only while its request still waits; else it is stale.
+            req = self.receiving.pop(item.transfer_id, None)
+            if req is None:
+                return []
+            if isinstance(item, Failed):
+                self.stats.failures += 1
+                return [KVFailed(req.request_id, item.error)]
+            return [KVReady(req.request_id, item.first_token_id, item.prefill_done_time)]
+        return []
+
+    def _expire(self, now: float) -> list[Event]:
+        for tid in [t for t, h in self.holds.items() if h.deadline < now]:
+            self.stats.lease_expired += 1
+            self.release_hold(tid, "lease expired")
+        for tid in [t for t, q in self.quarantine.items() if q.deadline < now]:
+            log.warning("quarantine of %s ended by its deadline", tid)
+            self.release_quarantine(tid)
+        late = [(t, r) for t, r in self.receiving.items() if r.kv_deadline < now]
+        out: list[Event] = []
+        for tid, req in late:
+            self.stats.recv_timeouts += 1
+            out.append(
+                KVFailed(
+                    req.request_id,
+                    f"no KV from the prefill instance within "
+                    f"{self.cfg.recv_timeout_s:.0f} s (transfer {tid})",
+                )
+            )
+        return out
+
+    def hold(self, req: Request, first_token: int, done_time: float, lease: bool) -> _Hold:
+        """P: take the finished request's blocks; with `lease`, the engine expires them."""
+        tid = transfer_id_of(req)
+        self.pool.transfer(req.block_ids, req.request_id, f"hold:{tid}")
+        deadline = time.monotonic() + self.cfg.lease_s if lease else float("inf")
+        h = _Hold(tid, req.block_ids, req.num_computed_tokens, first_token, done_time, deadline)
+        req.block_ids = []
+        self.holds[tid] = h
+        return h
+
+    def release_hold(self, tid: str, reason: str) -> None:
+        h = self.holds.pop(tid, None)
+        if h is not None:
+            self.pool.free(h.blocks, f"hold:{tid}")
+            log.debug("released hold %s (%s)", tid, reason)
+
+    def release_quarantine(self, tid: str) -> None:
+        q = self.quarantine.pop(tid, None)
+        if q is not None:
+            self.pool.free(q.blocks, f"quarantine:{tid}")
+
+    def num_blocks_held(self) -> int:
+        """Blocks the connector owns (holds and quarantine), for integrity checks."""
+        held = sum(len(h.blocks) for h in self.holds.values())
+        return held + sum(len(q.blocks) for q in self.quarantine.values())
+
+    def has_pending(self) -> bool:
+        return bool(self.holds or self.quarantine or self.receiving)
+
+    def report(self, item: object) -> None:
+        """Worker threads: hand something to the engine thread and wake it."""
+        self._events.put(item)
+        self.wake()
+
+    # -- peers and handshakes (worker threads) ------------------------------------------------
+    def peer(self, engine_id: str, address: Address, incarnation: str | None = None) -> Peer:
+        """The peer at `address`, handshaking first if it is new or has restarted."""
+        with self._peers_lock:
+            known = self._peers.get(engine_id)
+        if known and known.address == address and incarnation in (None, known.incarnation):
+            return known
+        return self._handshake(engine_id, address)
+
+    def _handshake(self, engine_id: str, address: Address) -> Peer:
+        hello = m.Hello(
+            nonce=new_nonce(),
+            engine_id=self.cfg.engine_id,
+            incarnation=self.cfg.incarnation,
+            reply_to=self.side.address,
+            compat=self.compat,
+            num_blocks=self.kv.num_blocks,
+            transport_metadata=self.transport.local_metadata(),
+        )
+        try:
+            reply = self.side.request(address, hello, self.cfg.handshake_timeout_s)
+        except TimeoutError:
+            raise TransferError(
+                f"handshake with {engine_id} at {address[0]}:{address[1]} "
+                f"timed out after {self.cfg.handshake_timeout_s:.0f} s"
+            ) from None
+        assert isinstance(reply, m.HelloReply)
+        if reply.error:
+            raise TransferError(f"handshake with {engine_id} refused: {reply.error}")
+        if reply.engine_id != engine_id:
+            raise TransferError(
+                f"expected engine {engine_id} at {address}, found {reply.engine_id}"
+            )
+        return self._add_peer(
+            reply.engine_id,
+            reply.incarnation,
+            address,
+            reply.compat,
+            reply.num_blocks,
+            reply.transport_metadata,
+        )
+
+    def _add_peer(
+        self,
+        engine_id: str,
+        incarnation: str,
+        address: Address,
+        compat: m.Compat,
+        num_blocks: int,
+        metadata: bytes,
+    ) -> Peer:
+        diff = self.compat.mismatch(compat)
+        if diff:
+            raise TransferError(f"instance {engine_id} is incompatible: {diff}")
+        handle = self.transport.add_peer(metadata)
+        peer = Peer(engine_id, incarnation, address, handle, num_blocks)
+        with self._peers_lock:
+            self._peers[engine_id] = peer
+        return peer
+
+    def _answer_hello(self, msg: m.Hello) -> None:
+        reply = m.HelloReply(
+            nonce=msg.nonce,
+            engine_id=self.cfg.engine_id,
+            incarnation=self.cfg.incarnation,
+            compat=self.compat,
+            num_blocks=self.kv.num_blocks,
+            transport_metadata=self.transport.local_metadata(),
+        )
+        try:
+            self._add_peer(
+                msg.engine_id,
+                msg.incarnation,
+                tuple(msg.reply_to),
+                msg.compat,
+                msg.num_blocks,
+                msg.transport_metadata,
+            )
+        except Exception as exc:
+            reply.error = str(exc)
+        self.side.send(tuple(msg.reply_to), reply)
+
+    def known_peer(self, engine_id: str, incarnation: str) -> Peer | None:
+        with self._peers_lock:
+            p = self._peers.get(engine_id)
+        return p if p and p.incarnation == incarnation else None
+
+    def descriptors(self, peer: Peer, local_blocks: list[int], remote_blocks: list[int]):
+        """(local, remote) descriptor lists for whole blocks, adjacent runs coalesced."""
+        return block_descriptors(self.kv, peer.num_blocks, local_blocks, remote_blocks)
+
+    # -- transfers (worker threads) ---------------------------------------------------------
+    def post_transfer(
+        self, kind: str, peer: Peer, local: list[Desc], remote: list[Desc], notif: bytes | None
+    ) -> object:
+        """Post a READ or WRITE of the KV region; returns the transport's handle."""
+        post = self.transport.write if kind == "write" else self.transport.read
+        return post(peer.transport_peer, local, remote, notif)
+
+    def transfer_state(self, handle: object) -> tuple[bool, str | None]:
+        """(finished, error message or None); a finished handle is released."""
+        return self.transport.poll(handle)
+
+    def run_transfer(
+        self, kind: str, peer: Peer, local: list[Desc], remote: list[Desc], notif: bytes | None
+    ) -> None:
+        """Post and wait until the transport finishes (its own timeout bounds the wait)."""
+        t0 = time.monotonic()
+        handle = self.post_transfer(kind, peer, local, remote, notif)
+        while True:
+            done, error = self.transfer_state(handle)
+            if done:
+                break
+            time.sleep(0.0005)
+        if error:
+            raise TransferError(f"KV {kind} failed: {error}")
+        self.count_transfer(sum(n for _, n in local), len(local), time.monotonic() - t0)
+
+    def count_transfer(self, nbytes: int, ndesc: int, seconds: float) -> None:
+        self.stats.bytes_moved += nbytes
+        self.stats.descriptors += ndesc
+        self.stats.transfers += 1
+        self.stats.transfer_seconds += seconds
+
+    def _on_message(self, msg: m.Message) -> None:
+        if isinstance(msg, m.Hello):
+            self._answer_hello(msg)
+        else:
+            self.on_message(msg)
+
+    def on_message(self, msg: m.Message) -> None:
+        """Mode hook for the side channel's other messages (receiver thread)."""
+
+    def close(self) -> None:
+        self.side.close()
+        self.transport.close()
+
+
+class TransferError(RuntimeError):
+    """A transfer-level failure reported to the client as a clear error."""
+
+
+class ConnectorStats(msgspec.Struct):
+    """Counters for /metrics (ints and floats only; read from any thread)."""
+
+    bytes_moved: int = 0
+    transfers: int = 0
+    transfer_seconds: float = 0.0
+    descriptors: int = 0
+    failures: int = 0
+    lease_expired: int = 0
+    recv_timeouts: int = 0
+    registrations_expired: int = 0
+
+
+class ReleaseHold(msgspec.Struct, frozen=True):
+    transfer_id: str
+    reason: str
+
+
+class ReleaseQuarantine(msgspec.Struct, frozen=True):
+    transfer_id: str
+
+
+def transfer_id_of(req: Request) -> str:
+    """The transfer id of a P/D request (the router's, else the request id)."""
+    params = req.kv_transfer
+    return (params.transfer_id if params and params.transfer_id else None) or req.request_id

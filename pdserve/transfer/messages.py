@@ -1,0 +1,117 @@
+"""Typed control messages between instances (side channel and transport notifications).
+
+One msgspec tagged union, one codec. Block ids are plain ints; engine identity is
+(engine_id, incarnation): a restarted instance has a new incarnation, so nothing
+addressed to its previous life is ever applied to it.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class Compat(msgspec.Struct, frozen=True, kw_only=True):
+    """What two instances must agree on to exchange KV blocks."""
+
+    model: str
+    dtype: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    layout: str
+
+    def mismatch(self, other: Compat) -> str | None:
+        """A sentence naming every difference, or None if compatible."""
+        diffs = [
+            f"{f}: {getattr(self, f)!r} here vs {getattr(other, f)!r} there"
+            for f in self.__struct_fields__
+            if getattr(self, f) != getattr(other, f)
+        ]
+        return "; ".join(diffs) or None
+
+
+class Hello(msgspec.Struct, tag=True, kw_only=True):
+    """Handshake request: the sender's identity, compat and transport metadata."""
+
+    nonce: str
+    engine_id: str
+    incarnation: str
+    reply_to: tuple[str, int]
+    compat: Compat
+    num_blocks: int
+    transport_metadata: bytes
+
+
+class HelloReply(msgspec.Struct, tag=True, kw_only=True):
+    nonce: str
+    engine_id: str
+    incarnation: str
+    compat: Compat
+    num_blocks: int
+    transport_metadata: bytes
+    error: str | None = None
+
+
+class PushRegistration(msgspec.Struct, tag=True, kw_only=True):
+    """D -> P: my blocks for `transfer_id` are reserved; write the prompt's KV there."""
+
+    transfer_id: str
+    engine_id: str
+    incarnation: str
+    reply_to: tuple[str, int]
+    block_ids: list[int]
+    num_tokens: int
+
+
+class PushDone(msgspec.Struct, tag=True, kw_only=True):
+    """P -> D, as the WRITE's notification (delivered only after the data)."""
+
+    transfer_id: str
+    first_token_id: int
+    prefill_done_time: float
+
+
+class PushFailed(msgspec.Struct, tag=True, kw_only=True):
+    """P -> D: the write for `transfer_id` will never come; fail the request now."""
+
+    transfer_id: str
+    reason: str
+
+
+class PushAbort(msgspec.Struct, tag=True, kw_only=True):
+    """D -> P: I gave up on `transfer_id`; do not write (ack when it is safe)."""
+
+    transfer_id: str
+    engine_id: str
+    incarnation: str
+    reply_to: tuple[str, int]
+
+
+class PushAbortAck(msgspec.Struct, tag=True, kw_only=True):
+    """P -> D: no write for `transfer_id` is or will be in flight; quarantine may end."""
+
+    transfer_id: str
+
+
+class PullDone(msgspec.Struct, tag=True, kw_only=True):
+    """D -> P: I finished reading `transfer_id` (ok or not); free the held blocks."""
+
+    transfer_id: str
+    ok: bool
+
+
+Message = Hello | HelloReply | PushRegistration | PushDone | PushFailed | PushAbort
+Message = Message | PushAbortAck | PullDone
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Message)
+
+
+def encode(msg: Message) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode(data: bytes) -> Message:
+    """Raises msgspec.DecodeError / ValidationError on malformed input."""
+    return _decoder.decode(data)
