@@ -1,0 +1,140 @@
+"""Builds an instance's KV connector from its flags: role, mode, transport.
+
+`pdserve serve` calls `add_transfer_arguments` on its parser and hands
+`connector_factory(args)` to the engine, which calls it once the KV cache exists.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import secrets
+
+from pdserve.config import TransportConfig
+from pdserve.kv.block_pool import BlockPool
+from pdserve.kv.cache import KVCache
+from pdserve.model.loader import LoadedModel
+from pdserve.transfer.connector import ConnectorConfig, KVConnector
+from pdserve.transfer.messages import Compat
+
+
+def add_transfer_arguments(parser: argparse.ArgumentParser) -> None:
+    """The P/D flags of `pdserve serve`."""
+    g = parser.add_argument_group("P/D disaggregation")
+    g.add_argument(
+        "--role",
+        choices=["both", "prefill", "decode"],
+        default="both",
+        help="both: monolithic instance; prefill/decode: one side of a P/D pair "
+        "(default: %(default)s)",
+    )
+    g.add_argument(
+        "--kv-transfer",
+        choices=["pull", "push"],
+        default="pull",
+        help="how KV moves from prefill to decode; must match the router (default: %(default)s)",
+    )
+    g.add_argument(
+        "--transport",
+        choices=["tcp", "nixl"],
+        default="tcp",
+        help="KV transport backend; nixl needs `pip install nixl-cu12` (default: %(default)s)",
+    )
+    g.add_argument(
+        "--engine-id", default=None, help="this instance's id among peers (default: random)"
+    )
+    g.add_argument(
+        "--cluster-token",
+        default=os.environ.get("PDSERVE_CLUSTER_TOKEN"),
+        help="shared secret peers must prove (challenge-response, never sent); "
+        "default: $PDSERVE_CLUSTER_TOKEN",
+    )
+    g.add_argument(
+        "--kv-host",
+        default="127.0.0.1",
+        help="address the side channel and transport listen on (default: %(default)s)",
+    )
+    g.add_argument(
+        "--side-channel-port",
+        type=int,
+        default=0,
+        help="side-channel port (default: a free one, see GET /kv/info)",
+    )
+    g.add_argument(
+        "--kv-lease",
+        type=float,
+        default=30.0,
+        help="prefill: seconds finished blocks are held for a decode instance "
+        "(default: %(default)s)",
+    )
+    g.add_argument(
+        "--kv-recv-timeout",
+        type=float,
+        default=30.0,
+        help="decode: seconds to wait for a prompt's KV before failing the "
+        "request (default: %(default)s)",
+    )
+    g.add_argument(
+        "--transfer-timeout",
+        type=float,
+        default=10.0,
+        help="a transfer to an unresponsive peer fails after this many seconds "
+        "(default: %(default)s)",
+    )
+    g.add_argument("--push-register-delay", type=float, default=0.0, help=argparse.SUPPRESS)
+    g.add_argument("--push-finish-delay", type=float, default=0.0, help=argparse.SUPPRESS)
+
+
+def connector_config(args: argparse.Namespace) -> ConnectorConfig:
+    return ConnectorConfig(
+        role=args.role,
+        mode=args.kv_transfer,
+        engine_id=args.engine_id or f"{args.role}-{secrets.token_hex(4)}",
+        side_host=args.kv_host,
+        side_port=args.side_channel_port,
+        cluster_token=args.cluster_token,
+        lease_s=args.kv_lease,
+        recv_timeout_s=args.kv_recv_timeout,
+        push_register_delay_s=args.push_register_delay,
+        push_finish_delay_s=args.push_finish_delay,
+    )
+
+
+def transport_config(args: argparse.Namespace) -> TransportConfig:
+    return TransportConfig(
+        kind=args.transport,
+        host=args.kv_host,
+        cluster_token=args.cluster_token,
+        timeout_s=args.transfer_timeout,
+    )
+
+
+def compat_of(kv: KVCache, loaded: LoadedModel) -> Compat:
+    return Compat(
+        model=loaded.name,
+        dtype=str(kv.dtype).removeprefix("torch."),
+        num_layers=kv.num_layers,
+        num_kv_heads=kv.num_kv_heads,
+        head_dim=kv.head_dim,
+        block_size=kv.block_size,
+        layout="LKBTHD",  # [layers, k|v, blocks, tokens, heads, head_dim]
+    )
+
+
+def make_connector_factory(args: argparse.Namespace):
+    """A factory for the engine, or None for a monolithic instance."""
+    if args.role == "both":
+        return None
+    ccfg = connector_config(args)
+    tcfg = transport_config(args)
+
+    def factory(kv: KVCache, pool: BlockPool, loaded: LoadedModel) -> KVConnector:
+        from pdserve.transfer.kv_transport import open_kv_transport
+        from pdserve.transfer.pull import PullConnector
+        from pdserve.transfer.push import PushConnector
+
+        transport = open_kv_transport(tcfg, ccfg.engine_id, kv)
+        cls = PushConnector if ccfg.mode == "push" else PullConnector
+        return cls(ccfg, kv, pool, compat_of(kv, loaded), transport)
+
+    return factory
