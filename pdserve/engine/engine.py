@@ -21,7 +21,7 @@ from pdserve.engine.runner import ModelRunner
 from pdserve.engine.scheduler import Scheduler, SchedulerOutput, blocks_needed
 from pdserve.engine.types import EngineRequest, EngineStats, FinishReason, RequestOutput
 from pdserve.kv.block_pool import BlockPool
-from pdserve.kv.cache import KVCache
+from pdserve.kv.cache import KVCache, num_blocks_for_budget
 from pdserve.model.loader import LoadedModel, load_model
 from pdserve.transfer.connector import KVConnector, KVReady
 from pdserve.transfer.params import KVTransferParams
@@ -48,7 +48,7 @@ class LLMEngine:
         self.max_model_len = cfg.model.max_model_len or spec.max_position_embeddings
         device = torch.device(cfg.model.device)
         bs = cfg.cache.block_size
-        num_blocks = cfg.cache.num_blocks or KVCache.num_blocks_for_budget(
+        num_blocks = cfg.cache.num_blocks or num_blocks_for_budget(
             spec, int(cfg.cache.kv_cache_memory_gib * 2**30), bs, loaded.dtype
         )
         self.kv = KVCache.allocate(spec, num_blocks, bs, loaded.dtype, device)

@@ -1,0 +1,130 @@
+"""`pdserve bench engine`: prefill and decode tokens/s of the engine alone (no HTTP).
+
+Prefill: one request of `--prefill-len` tokens, timed from submission to its first
+token. Decode: `--batch` requests decoding together, timed over `--decode-steps` steps
+after their prompts are in the cache. Reported per model and batch size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+
+import torch
+from tqdm import tqdm
+
+from pdserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from pdserve.engine.engine import LLMEngine
+from pdserve.engine.types import EngineRequest, SamplingParams
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model",
+        nargs="+",
+        default=["builtin:tiny", "builtin:small"],
+        help="models to measure (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--batch",
+        type=int,
+        nargs="+",
+        default=[1, 8, 32],
+        help="decode batch sizes (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--prefill-len",
+        type=int,
+        default=1024,
+        help="prompt length for the prefill figure (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--decode-ctx",
+        type=int,
+        default=128,
+        help="prompt length of each decoding request (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--decode-steps", type=int, default=32, help="decode steps timed (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--threads", type=int, default=1, help="torch threads (default: %(default)s)"
+    )
+    parser.add_argument("--dtype", default="float32", help="model dtype (default: %(default)s)")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def _engine(model: str, dtype: str, max_len: int) -> LLMEngine:
+    cfg = EngineConfig(
+        model=ModelConfig(model=model, dtype=dtype),
+        cache=CacheConfig(kv_cache_memory_gib=1.0),
+        scheduler=SchedulerConfig(max_num_batched_tokens=max(max_len, 2048), max_num_seqs=256),
+    )
+    return LLMEngine.from_config(cfg)
+
+
+def _prompt(n: int, rng: random.Random) -> list[int]:
+    return [rng.randrange(3, 250) for _ in range(n)]
+
+
+def prefill_tps(engine: LLMEngine, n: int, rng: random.Random) -> float:
+    sp = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    engine.add_request(EngineRequest(request_id="p", prompt_token_ids=_prompt(n, rng), params=sp))
+    t0 = time.perf_counter()
+    while engine.has_work():
+        engine.step()
+    return n / (time.perf_counter() - t0)
+
+
+def decode_tps(engine: LLMEngine, batch: int, ctx: int, steps: int, rng: random.Random) -> float:
+    sp = SamplingParams(max_tokens=steps + 2, temperature=0.0, ignore_eos=True)
+    for i in range(batch):
+        er = EngineRequest(request_id=f"d{i}", prompt_token_ids=_prompt(ctx, rng), params=sp)
+        engine.add_request(er)
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.requests.values()):
+        engine.step()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    elapsed = time.perf_counter() - t0
+    while engine.has_work():
+        engine.step()
+    return batch * steps / elapsed
+
+
+def main(args: argparse.Namespace) -> int:
+    torch.set_num_threads(args.threads)
+    rng = random.Random(0)
+    rows = []
+    for model in args.model:
+        engine = _engine(model, args.dtype, args.prefill_len)
+        prefill_tps(engine, 64, rng)  # warm-up
+        row = {
+            "model": model,
+            "threads": args.threads,
+            "prefill_len": args.prefill_len,
+            "prefill_tok_s": round(prefill_tps(engine, args.prefill_len, rng), 1),
+        }
+        for b in tqdm(args.batch, desc=f"{model} decode", leave=False):
+            row[f"decode_tok_s_b{b}"] = round(
+                decode_tps(engine, b, args.decode_ctx, args.decode_steps, rng), 1
+            )
+        engine.check_integrity()
+        rows.append(row)
+    if args.json:
+        print(json.dumps(rows, indent=2))
+    else:
+        _print_table(rows, args.batch)
+    return 0
+
+
+def _print_table(rows: list[dict], batches: list[int]) -> None:
+    head = ["model", "prefill tok/s"] + [f"decode tok/s b={b}" for b in batches]
+    print("| " + " | ".join(head) + " |")
+    print("|" + "---|" * len(head))
+    for r in rows:
+        cells = [r["model"], f"{r['prefill_tok_s']:.0f}"]
+        cells += [f"{r[f'decode_tok_s_b{b}']:.0f}" for b in batches]
+        print("| " + " | ".join(cells) + " |")
