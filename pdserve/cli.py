@@ -23,6 +23,7 @@ BENCH_COMMANDS: tuple[tuple[str, str, str], ...] = (
     ("sweep", "pdserve.bench.sweep", "grid of input lengths x rates x modes, with report"),
     ("engine", "pdserve.bench.engine", "prefill/decode tokens/s of the engine alone"),
     ("transport", "pdserve.bench.transport", "KV transport bandwidth and latency"),
+    ("report", "pdserve.bench.report", "Markdown table and plots from result JSONs"),
 )
 
 

@@ -1,0 +1,260 @@
+"""One streamed `/v1/completions` request, timed at the client.
+
+`send_request` posts a `BenchRequest` with `stream: true`, reads the server-sent events as
+they arrive and returns a `RequestRecord`; it never raises for a server or network fault
+(HTTP errors, broken or truncated streams, error events, timeouts): those come back as a
+failed record with a one-line message. `StreamTimer` is the I/O-free part, fed one SSE line
+and its arrival time at a time, so it can be tested without a server.
+
+Handoff: a P/D router may report when the prefill instance finished, as a unix time in
+seconds, either in the response header `x-pdserve-prefill-done` or inside any chunk as
+`{"pdserve": {"prefill_done": T}}` (a chunk wins over the header). The handoff is the first
+token's arrival at the client minus that time; it is only meaningful when the client's and
+the prefill instance's clocks agree (same host, or synchronised).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from dataclasses import dataclass
+
+import httpx
+import msgspec
+
+from pdserve.bench.dataset import BenchRequest
+from pdserve.bench.metrics import RequestRecord
+
+PREFILL_DONE_HEADER = "x-pdserve-prefill-done"
+_MAX_ERROR_BODY = 500
+
+
+class EndpointError(RuntimeError):
+    """The endpoint cannot be benchmarked at all (unreachable, no model listed)."""
+
+
+class StreamError(RuntimeError):
+    """The stream carried an error event or ended early."""
+
+
+@dataclass(frozen=True)
+class RunClock:
+    """The run's time origin: offsets from `perf0` (monotonic) and the unix time it maps to."""
+
+    perf0: float
+    unix0: float
+
+    @classmethod
+    def start(cls) -> RunClock:
+        return cls(perf0=time.perf_counter(), unix0=time.time())
+
+    def now(self) -> float:
+        """Seconds since the run started."""
+        return time.perf_counter() - self.perf0
+
+
+@dataclass(frozen=True)
+class ClientConfig:
+    """What every request of a run shares."""
+
+    url: str  # full completions URL
+    model: str
+    ignore_eos: bool = True
+    temperature: float | None = None  # None: the server's default
+    timeout_s: float = 300.0  # bound on one whole request, first byte to [DONE]
+
+
+class StreamOptions(msgspec.Struct, frozen=True):
+    include_usage: bool = True
+
+
+class CompletionRequest(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """The request body (OpenAI completions plus vLLM's `ignore_eos`)."""
+
+    model: str
+    prompt: str | list[int]
+    max_tokens: int
+    stream: bool
+    stream_options: StreamOptions
+    ignore_eos: bool = False
+    temperature: float | None = None
+
+
+class _Choice(msgspec.Struct):
+    text: str = ""
+    finish_reason: str | None = None
+
+
+class _Usage(msgspec.Struct):
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+
+
+class _ErrorBody(msgspec.Struct):
+    message: str = ""
+
+
+class _PdserveInfo(msgspec.Struct):
+    prefill_done: float | None = None
+
+
+class _Chunk(msgspec.Struct):
+    choices: list[_Choice] = msgspec.field(default_factory=list)
+    usage: _Usage | None = None
+    error: _ErrorBody | str | None = None
+    pdserve: _PdserveInfo | None = None
+
+
+_CHUNK_DECODER = msgspec.json.Decoder(_Chunk)
+
+
+def _is_token_chunk(chunk: _Chunk) -> bool:
+    """Any chunk with a choice counts as a token chunk, even with empty text (vLLM's rule).
+
+    Empty text is common: a token that does not complete a UTF-8 character yet, or a final
+    chunk that only carries finish_reason after a run of such tokens; skipping those would
+    fail requests that did generate tokens. The usage chunk has no choices.
+    """
+    return bool(chunk.choices)
+
+
+class StreamTimer:
+    """Timings of one stream, from SSE lines and their arrival times (run-clock seconds).
+
+    Owned by one request for the duration of its stream.
+    """
+
+    def __init__(self, sent_at: float) -> None:
+        self.sent_at = sent_at
+        self.token_times: list[float] = []
+        self.text: list[str] = []
+        self.usage = _Usage()
+        self.prefill_done: float | None = None
+        self.done = False
+
+    def feed_line(self, line: str, now: float) -> None:
+        """Take one line of the event stream; raises StreamError on an error event."""
+        if not line.startswith("data:"):
+            return  # blank separators, comments (":" pings), event/id fields
+        data = line[len("data:") :].strip()
+        if data == "[DONE]":
+            self.done = True
+            return
+        chunk = _CHUNK_DECODER.decode(data)
+        if chunk.error is not None:
+            message = chunk.error if isinstance(chunk.error, str) else chunk.error.message
+            raise StreamError(f"error event: {message}")
+        if chunk.pdserve is not None and chunk.pdserve.prefill_done is not None:
+            self.prefill_done = chunk.pdserve.prefill_done
+        if chunk.usage is not None:
+            self.usage = chunk.usage
+        if _is_token_chunk(chunk):
+            self.token_times.append(now)
+            self.text.append(chunk.choices[0].text)
+
+    def record(self, req: BenchRequest, arrival: float, clock: RunClock) -> RequestRecord:
+        """The finished request's record; raises StreamError if the stream was incomplete."""
+        if not self.token_times:
+            raise StreamError("stream ended without any token")
+        if not self.done:
+            raise StreamError("stream ended before [DONE]")
+        first, last = self.token_times[0], self.token_times[-1]
+        handoff = None
+        if self.prefill_done is not None:
+            handoff = clock.unix0 + first - self.prefill_done
+        return RequestRecord(
+            success=True,
+            prompt_len=self.usage.prompt_tokens or req.prompt_len,
+            output_len=self.usage.completion_tokens or len(self.token_times),
+            arrival_time=arrival,
+            start_time=self.sent_at,
+            ttft=first - self.sent_at,
+            itl=[b - a for a, b in itertools.pairwise(self.token_times)],
+            latency=last - self.sent_at,
+            handoff=handoff,
+            generated_text="".join(self.text),
+        )
+
+
+def _header_time(response: httpx.Response) -> float | None:
+    value = response.headers.get(PREFILL_DONE_HEADER)
+    try:
+        return float(value) if value is not None else None
+    except ValueError:
+        return None
+
+
+def _body(cfg: ClientConfig, req: BenchRequest) -> bytes:
+    return msgspec.json.encode(
+        CompletionRequest(
+            model=cfg.model,
+            prompt=req.prompt,
+            max_tokens=req.output_len,
+            stream=True,
+            stream_options=StreamOptions(include_usage=True),
+            ignore_eos=cfg.ignore_eos,
+            temperature=cfg.temperature,
+        )
+    )
+
+
+async def _stream(
+    http: httpx.AsyncClient,
+    cfg: ClientConfig,
+    req: BenchRequest,
+    timer: StreamTimer,
+    clock: RunClock,
+) -> None:
+    headers = {"content-type": "application/json"}
+    async with http.stream("POST", cfg.url, content=_body(cfg, req), headers=headers) as resp:
+        if resp.status_code != 200:
+            body = (await resp.aread()).decode(errors="replace").strip()
+            raise StreamError(f"HTTP {resp.status_code}: {body[:_MAX_ERROR_BODY]}")
+        timer.prefill_done = _header_time(resp)
+        async for line in resp.aiter_lines():
+            timer.feed_line(line, clock.now())
+
+
+async def send_request(
+    http: httpx.AsyncClient,
+    cfg: ClientConfig,
+    req: BenchRequest,
+    clock: RunClock,
+    arrival: float | None = None,
+) -> RequestRecord:
+    """Send one request and time it; `arrival` is when the arrival process released it.
+
+    Never raises except for cancellation: any failure is a record with success=False.
+    """
+    sent_at = clock.now()
+    arrival = sent_at if arrival is None else arrival
+    timer = StreamTimer(sent_at)
+    try:
+        await asyncio.wait_for(_stream(http, cfg, req, timer, clock), cfg.timeout_s)
+        return timer.record(req, arrival, clock)
+    except asyncio.TimeoutError:
+        error = f"timed out after {cfg.timeout_s:g} s"
+    except StreamError as exc:
+        error = str(exc)
+    except Exception as exc:  # a benchmark reports every failure and keeps going
+        error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    return RequestRecord(
+        success=False,
+        error=error,
+        prompt_len=req.prompt_len,
+        arrival_time=arrival,
+        start_time=sent_at,
+    )
+
+
+async def first_model(http: httpx.AsyncClient, base_url: str) -> str:
+    """The id of the first model listed by `GET /v1/models`; EndpointError if none."""
+    url = f"{base_url.rstrip('/')}/v1/models"
+    try:
+        resp = await http.get(url)
+        resp.raise_for_status()
+        models = resp.json().get("data") or []
+        return str(models[0]["id"])
+    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError, AttributeError) as exc:
+        raise EndpointError(f"cannot read the model list at {url}: {exc!r}") from None
