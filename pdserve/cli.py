@@ -17,6 +17,7 @@ COMMANDS: tuple[tuple[str, str, str], ...] = (
     ("serve", "pdserve.server.serve", "run one instance (monolithic, prefill or decode)"),
     ("router", "pdserve.router.serve", "run the OpenAI-compatible P/D router"),
     ("up", "pdserve.launcher", "start a local P/D cluster (instances + router)"),
+    ("sim", "pdserve.sim.cli", "simulate a P/D cluster: pull vs push"),
 )
 BENCH_COMMANDS: tuple[tuple[str, str, str], ...] = (
     ("serve", "pdserve.bench.serve", "replay traffic against an OpenAI-compatible endpoint"),
