@@ -1,0 +1,340 @@
+"""Paged attention over the block-table KV cache, in plain torch (same code on CPU and CUDA).
+
+A step feeds a flat list of tokens: the concatenation, in order, of one `SeqSlice` per
+sequence. `build_attention_metadata` turns the slices into index tensors once per step; every
+layer then reuses them:
+
+1. `write_kv` stores the step's new K/V at `slot_mapping` (slot = block * block_size + offset).
+2. `paged_attention` attends:
+   - decode slices (num_new == 1) are batched into padded SDPA calls: their context is
+     gathered block-wise through a padded block table (into a reused `GatherBuffer`) and the
+     padding is masked out. Sorted by length and cut into groups of bounded padded size, so
+     one long sequence does not make every short one pay for its length;
+   - prefill/chunk slices (num_new > 1) get one SDPA call each. A fresh prompt (nothing cached
+     before) attends to its own K/V with a plain causal mask; a chunk after a cached prefix
+     gathers the whole context from the cache and uses a causal mask shifted by num_computed.
+
+Attention always sees K/V as stored in the cache (cast to the cache dtype and back), so a
+sequence prefilled in one piece, in chunks, or on another engine gives the same numbers.
+
+Ownership: the caller (model runner) owns the block ids and guarantees that every block in
+a block table is allocated to that sequence for the step; this module only reads and writes
+the slots those tables name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class SeqSlice:
+    """One sequence's share of a step.
+
+    `block_table[i]` is the cache block holding positions [i * block_size, (i + 1) *
+    block_size) of the sequence; `num_computed` tokens are already in the cache; this step
+    feeds `num_new` tokens at positions num_computed .. num_computed + num_new - 1.
+    """
+
+    block_table: Sequence[int]
+    num_computed: int
+    num_new: int
+
+    @property
+    def context_len(self) -> int:
+        """Tokens the sequence attends to once this step's tokens are written."""
+        return self.num_computed + self.num_new
+
+
+@dataclass(frozen=True)
+class PrefillSlice:
+    """Attention work for one slice with num_new > 1, tokens [start, end) of the step.
+
+    `block_ids` ([n_blocks]) and `mask` ([num_new, context_len], True = attend) are set only
+    when a cached prefix exists (num_computed > 0); otherwise attention is plain causal over
+    the slice's own new K/V.
+    """
+
+    start: int
+    end: int
+    context_len: int
+    block_ids: torch.Tensor | None
+    mask: torch.Tensor | None
+
+
+@dataclass(frozen=True)
+class DecodeGroup:
+    """Some num_new == 1 slices of a step, attended in one padded SDPA call.
+
+    `token_indices` [B]: their places in the step; `block_tables` [B, max_blocks]: padded with
+    block 0 (masked out); `mask` [B, 1, 1, max_blocks * block_size], True = attend.
+    """
+
+    token_indices: torch.Tensor
+    block_tables: torch.Tensor
+    mask: torch.Tensor
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """Per-step index tensors shared by every layer. Built by `build_attention_metadata`.
+
+    `logits_indices` [num_slices]: index in the step of each slice's last new token (the
+    rows whose logits the sampler needs).
+    """
+
+    num_tokens: int
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    logits_indices: torch.Tensor
+    prefills: tuple[PrefillSlice, ...]
+    decodes: tuple[DecodeGroup, ...]
+
+
+DEFAULT_DECODE_GROUP_TOKENS = 32768
+
+
+def build_attention_metadata(
+    slices: Sequence[SeqSlice],
+    block_size: int,
+    device: torch.device | str,
+    decode_group_tokens: int = DEFAULT_DECODE_GROUP_TOKENS,
+) -> AttentionMetadata:
+    """Index tensors for one step; raises ValueError if a block table is too short.
+
+    Decode slices are sorted by context length and cut into groups whose padded context
+    (sequences x longest context) stays within `decode_group_tokens`, which bounds both the
+    padding waste and the gather memory of one SDPA call.
+    """
+    positions: list[int] = []
+    slots: list[int] = []
+    last: list[int] = []
+    prefills: list[PrefillSlice] = []
+    decodes: list[tuple[int, SeqSlice]] = []
+    for s in slices:
+        _check_slice(s, block_size)
+        start = len(positions)
+        positions.extend(range(s.num_computed, s.context_len))
+        slots.extend(_slots(s, block_size))
+        last.append(len(positions) - 1)
+        if s.num_new == 1:
+            decodes.append((start, s))
+        else:
+            prefills.append(_prefill_slice(s, start, block_size, device))
+    groups = _group_decodes(decodes, block_size, decode_group_tokens)
+    return AttentionMetadata(
+        num_tokens=len(positions),
+        positions=torch.tensor(positions, dtype=torch.long, device=device),
+        slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+        logits_indices=torch.tensor(last, dtype=torch.long, device=device),
+        prefills=tuple(prefills),
+        decodes=tuple(_decode_group(g, block_size, device) for g in groups),
+    )
+
+
+def _check_slice(s: SeqSlice, block_size: int) -> None:
+    if s.num_new < 1 or s.num_computed < 0:
+        raise ValueError(f"bad slice: num_computed={s.num_computed}, num_new={s.num_new}")
+    if len(s.block_table) * block_size < s.context_len:
+        raise ValueError(
+            f"block table of {len(s.block_table)} blocks x {block_size} cannot hold "
+            f"{s.context_len} tokens"
+        )
+
+
+def _slots(s: SeqSlice, block_size: int) -> list[int]:
+    """Cache slots of the new tokens, built block by block (one range per block)."""
+    out: list[int] = []
+    pos, end = s.num_computed, s.context_len
+    while pos < end:
+        block, offset = divmod(pos, block_size)
+        n = min(block_size - offset, end - pos)
+        base = s.block_table[block] * block_size
+        out.extend(range(base + offset, base + offset + n))
+        pos += n
+    return out
+
+
+def _prefill_slice(
+    s: SeqSlice, start: int, block_size: int, device: torch.device | str
+) -> PrefillSlice:
+    end = start + s.num_new
+    if s.num_computed == 0:
+        return PrefillSlice(start, end, s.context_len, None, None)
+    block_ids = torch.tensor(
+        list(s.block_table[: _blocks(s.context_len, block_size)]), dtype=torch.long, device=device
+    )
+    keys = torch.arange(s.context_len, device=device)
+    query_pos = torch.arange(s.num_computed, s.context_len, device=device)
+    mask = keys[None, :] <= query_pos[:, None]
+    return PrefillSlice(start, end, s.context_len, block_ids, mask)
+
+
+def _group_decodes(
+    decodes: list[tuple[int, SeqSlice]], block_size: int, budget: int
+) -> list[list[tuple[int, SeqSlice]]]:
+    """Split length-sorted decodes so each group's padded size is within `budget` tokens."""
+    groups: list[list[tuple[int, SeqSlice]]] = []
+    for item in sorted(decodes, key=lambda d: d[1].context_len):
+        padded = _blocks(item[1].context_len, block_size) * block_size
+        if groups and padded * (len(groups[-1]) + 1) <= budget:
+            groups[-1].append(item)  # sorted: this one is the group's longest
+        else:
+            groups.append([item])
+    return groups
+
+
+def _decode_group(
+    decodes: list[tuple[int, SeqSlice]], block_size: int, device: torch.device | str
+) -> DecodeGroup:
+    lens = [s.context_len for _, s in decodes]
+    width = _blocks(max(lens), block_size)
+    tables = [_padded(s.block_table, _blocks(s.context_len, block_size), width) for _, s in decodes]
+    ctx = torch.tensor(lens, dtype=torch.long, device=device)
+    keys = torch.arange(width * block_size, device=device)
+    mask = (keys[None, :] < ctx[:, None]).view(len(decodes), 1, 1, -1)
+    return DecodeGroup(
+        token_indices=torch.tensor([i for i, _ in decodes], dtype=torch.long, device=device),
+        block_tables=torch.tensor(tables, dtype=torch.long, device=device),
+        mask=mask,
+    )
+
+
+def _blocks(tokens: int, block_size: int) -> int:
+    return -(-tokens // block_size)
+
+
+def _padded(table: Sequence[int], used: int, width: int) -> list[int]:
+    """The first `used` block ids, padded with block 0 (its contents are masked out)."""
+    return [*table[:used], *([0] * (width - used))]
+
+
+class GatherBuffer:
+    """Scratch memory that gathered K/V blocks are copied into.
+
+    Reused by every layer and step, so large gathers do not pay for fresh pages (on CPU a new
+    100 MB tensor costs more in page faults than the copy itself). Owned by one Decoder and
+    used by one forward at a time; grows to the largest gather seen and never shrinks.
+    """
+
+    def __init__(self) -> None:
+        self._buf: torch.Tensor | None = None
+
+    def pair(self, n_blocks: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Two uninitialised [n_blocks, *like.shape[1:]] tensors (for K and V)."""
+        block_numel = like[0].numel()
+        need = 2 * n_blocks * block_numel
+        buf = self._buf
+        if (
+            buf is None
+            or buf.numel() < need
+            or buf.dtype != like.dtype
+            or buf.device != like.device
+        ):
+            buf = self._buf = torch.empty(need, dtype=like.dtype, device=like.device)
+        shape = (n_blocks, *like.shape[1:])
+        half = n_blocks * block_numel
+        return buf[:half].view(shape), buf[half:need].view(shape)
+
+
+def write_kv(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Store new K/V ([T, kv_heads, head_dim]) into one layer's cache at `slot_mapping`."""
+    heads, dim = k_cache.shape[-2:]
+    k_cache.view(-1, heads, dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, heads, dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scratch: GatherBuffer,
+) -> torch.Tensor:
+    """Attention output [T, heads, head_dim] for q [T, heads, head_dim].
+
+    `k`/`v` are this step's new keys/values, already written by `write_kv`; scale is
+    1/sqrt(head_dim).
+    """
+    out = torch.empty_like(q)
+    for p in meta.prefills:
+        out[p.start : p.end] = _prefill(q[p.start : p.end], k, v, k_cache, v_cache, p, scratch)
+    for g in meta.decodes:
+        q_g = q.index_select(0, g.token_indices)
+        out.index_copy_(0, g.token_indices, _decode(q_g, k_cache, v_cache, g, scratch))
+    return out
+
+
+def _prefill(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    p: PrefillSlice,
+    scratch: GatherBuffer,
+) -> torch.Tensor:
+    if p.block_ids is None:
+        keys = _as_cached(k[p.start : p.end], k_cache.dtype)
+        values = _as_cached(v[p.start : p.end], v_cache.dtype)
+    else:
+        keys, values = _gather(k_cache, v_cache, p.block_ids, scratch)
+        keys = keys.flatten(0, 1)[: p.context_len]
+        values = values.flatten(0, 1)[: p.context_len]
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1).unsqueeze(0),
+        keys.to(q.dtype).transpose(0, 1).unsqueeze(0),
+        values.to(q.dtype).transpose(0, 1).unsqueeze(0),
+        attn_mask=p.mask,
+        is_causal=p.mask is None,
+        enable_gqa=True,
+    )
+    return out[0].transpose(0, 1)
+
+
+def _decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    g: DecodeGroup,
+    scratch: GatherBuffer,
+) -> torch.Tensor:
+    batch = q.shape[0]
+    keys, values = _gather(k_cache, v_cache, g.block_tables.flatten(), scratch)
+    keys = keys.view(batch, -1, *k_cache.shape[-2:])
+    values = values.view(batch, -1, *v_cache.shape[-2:])
+    out = F.scaled_dot_product_attention(
+        q.unsqueeze(2),
+        keys.to(q.dtype).transpose(1, 2),
+        values.to(q.dtype).transpose(1, 2),
+        attn_mask=g.mask,
+        enable_gqa=True,
+    )
+    return out.squeeze(2)
+
+
+def _gather(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: torch.Tensor, scratch: GatherBuffer
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Copies of the given blocks ([n, block_size, kv_heads, head_dim] each), in order."""
+    keys, values = scratch.pair(block_ids.numel(), k_cache)
+    torch.index_select(k_cache, 0, block_ids, out=keys)
+    torch.index_select(v_cache, 0, block_ids, out=values)
+    return keys, values
+
+
+def _as_cached(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
+    """x rounded as the cache stores it (a no-op when the dtypes match)."""
+    return x.to(cache_dtype).to(x.dtype)

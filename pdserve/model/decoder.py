@@ -1,0 +1,174 @@
+"""The decoder-only transformer (Qwen3 / Llama / Qwen2) over a paged KV cache.
+
+One class covers the three families; the ModelSpec switches the differences (qkv bias, o bias,
+mlp bias, per-head q/k RMSNorm, RoPE scaling, tied embeddings). q/k/v and gate/up are fused
+into one matmul each (`qkv_proj`, `gate_up_proj`); the loader splits Hugging Face tensors into
+their row ranges.
+
+Parameters are created uninitialised (no random init pass): `pdserve.model.loader` fills every
+one of them or fails. The rotary table is computed at construction on `device`; the module is
+built for one device and dtype and is not meant to be moved afterwards.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pdserve.kv.cache import KVCache
+from pdserve.model.attention import AttentionMetadata, GatherBuffer, paged_attention, write_kv
+from pdserve.model.rope import RotaryEmbedding, apply_rotary
+from pdserve.model.spec import ModelSpec
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in float32 and cast back before the weight, as transformers does."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+class Attention(nn.Module):
+    """Self-attention of one layer: fused qkv, optional q/k norm, RoPE, paged attention."""
+
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.spec = spec
+        self.sizes = (spec.q_size, spec.kv_size, spec.kv_size)
+        self.qkv_proj = nn.Linear(spec.hidden_size, sum(self.sizes), bias=spec.qkv_bias)
+        self.o_proj = nn.Linear(spec.q_size, spec.hidden_size, bias=spec.o_bias)
+        if spec.qk_norm:
+            self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
+            self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+        kv: tuple[torch.Tensor, torch.Tensor],
+        scratch: GatherBuffer,
+    ) -> torch.Tensor:
+        n, s = x.shape[0], self.spec
+        q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
+        q = q.view(n, s.num_heads, s.head_dim)
+        k = k.view(n, s.num_kv_heads, s.head_dim)
+        v = v.view(n, s.num_kv_heads, s.head_dim)
+        if s.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        write_kv(*kv, k, v, meta.slot_mapping)
+        out = paged_attention(q, k, v, *kv, meta, scratch)
+        return self.o_proj(out.view(n, s.q_size))
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward with fused gate/up projection."""
+
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        size = spec.intermediate_size
+        self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * size, bias=spec.mlp_bias)
+        self.down_proj = nn.Linear(size, spec.hidden_size, bias=spec.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm transformer block: x + attn(norm(x)), then h + mlp(norm(h))."""
+
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.self_attn = Attention(spec)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.mlp = MLP(spec)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+        kv: tuple[torch.Tensor, torch.Tensor],
+        scratch: GatherBuffer,
+    ) -> torch.Tensor:
+        h = x + self.self_attn(self.input_layernorm(x), rope, meta, kv, scratch)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Decoder(nn.Module):
+    """Token ids in, final-norm hidden states out; `compute_logits` applies the LM head.
+
+    Parameter names mirror the Hugging Face ones without the `model.` prefix, except the fused
+    `qkv_proj` and `gate_up_proj` (see pdserve.model.loader).
+    """
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        max_positions: int | None = None,
+    ) -> None:
+        super().__init__()
+        self.spec = spec
+        with torch.device("meta"):
+            self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+            self.layers = nn.ModuleList(DecoderLayer(spec) for _ in range(spec.num_layers))
+            self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+            if not spec.tie_word_embeddings:
+                self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        self.to(dtype)  # still on meta: free, and never materialises a float32 copy
+        self.to_empty(device=device)
+        self.requires_grad_(False)
+        self.scratch = GatherBuffer()  # one forward at a time (see GatherBuffer)
+        positions = max_positions or spec.max_position_embeddings
+        self.rope = RotaryEmbedding(
+            spec.head_dim, positions, spec.rope_theta, spec.rope_scaling, device
+        )
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv: KVCache,
+        on_layer_done: Callable[[int], None] | None = None,
+    ) -> torch.Tensor:
+        """Run one step over the flattened tokens ([T] ids and positions) -> [T, hidden].
+
+        Writes the step's K/V into `kv` at `meta.slot_mapping`. `on_layer_done(i)` runs right
+        after layer i finished (its K/V are in the cache), on this thread: on CUDA the writes
+        are only enqueued on the current stream, so a hook that reads the cache from another
+        stream or thread must record and wait on an event first.
+        """
+        x = self.embed_tokens(input_ids)
+        rope = self.rope.cos_sin(positions, x.dtype)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, rope, meta, kv.layer(i), self.scratch)
+            if on_layer_done is not None:
+                on_layer_done(i)
+        return self.norm(x)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits [N, vocab] for hidden states [N, hidden] from `forward`."""
+        head = self.embed_tokens if self.spec.tie_word_embeddings else self.lm_head
+        return F.linear(hidden, head.weight).float()
