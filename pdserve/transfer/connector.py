@@ -185,9 +185,14 @@ class KVConnector:
         """Default: nothing was promised to anyone yet."""
 
     def cancel_receive(self, req: Request) -> None:
-        """D: fence the request's blocks until no transfer can land in them."""
+        """D: fence the request's blocks until no transfer can land in them.
+
+        A transfer the workers already reported as failed is over: nothing is fenced and
+        the scheduler frees the blocks as usual.
+        """
         tid = transfer_id_of(req)
-        self.receiving.pop(tid, None)
+        if self.receiving.pop(tid, None) is None:
+            return
         if req.block_ids:
             self.pool.transfer(req.block_ids, req.request_id, f"quarantine:{tid}")
             deadline = time.monotonic() + self.cfg.quarantine_s

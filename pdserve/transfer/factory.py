@@ -125,8 +125,11 @@ def make_connector_factory(args: argparse.Namespace):
     """A factory for the engine, or None for a monolithic instance."""
     if args.role == "both":
         return None
-    ccfg = connector_config(args)
-    tcfg = transport_config(args)
+    return build_factory(connector_config(args), transport_config(args))
+
+
+def build_factory(ccfg: ConnectorConfig, tcfg: TransportConfig):
+    """The engine's connector factory for a P/D role (`ccfg.mode` picks pull or push)."""
 
     def factory(kv: KVCache, pool: BlockPool, loaded: LoadedModel) -> KVConnector:
         from pdserve.transfer.kv_transport import open_kv_transport

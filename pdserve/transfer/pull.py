@@ -79,12 +79,17 @@ class PullConnector(KVConnector):
 
     def _read_loop(self) -> None:
         while (job := self._jobs.get()) is not None:
+            ok = False
             try:
                 self.report(self._read(job))
+                ok = True
             except Exception as exc:  # every failure becomes a clear per-request error
                 log.warning("pull %s failed: %s", job.tid, exc)
                 self.report(Failed(job.tid, f"KV pull failed: {exc}"))
             finally:
+                # P may free its hold now, whatever happened (no handshake needed for this).
+                to = (job.params.remote_host, job.params.remote_port)
+                self.side.send(to, m.PullDone(transfer_id=job.tid, ok=ok))
                 self.report(ReleaseQuarantine(job.tid))
 
     def _read(self, job: _ReadJob) -> Arrived:
@@ -96,12 +101,7 @@ class PullConnector(KVConnector):
             )
         peer = self.peer(p.remote_engine_id, (p.remote_host, p.remote_port), p.remote_incarnation)
         local, remote = self.descriptors(peer, job.blocks, p.remote_block_ids)
-        ok = False
-        try:
-            self.run_transfer("read", peer, local, remote, None)
-            ok = True
-        finally:
-            self.side.send(peer.address, m.PullDone(transfer_id=job.tid, ok=ok))
+        self.run_transfer("read", peer, local, remote, None)
         return Arrived(job.tid, p.first_token_id, p.prefill_done_time or 0.0)
 
     def close(self) -> None:

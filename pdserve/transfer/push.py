@@ -199,12 +199,9 @@ class PushConnector(KVConnector):
         now = time.monotonic()
         if isinstance(item, m.PushRegistration):
             w.regs[item.transfer_id] = (item, now)
-            if item.transfer_id not in w.finished and item.transfer_id not in w.delayed:
-                self.writer_stats.registered_first += 1
         elif isinstance(item, _Finished):
+            item.ready_at = max(item.ready_at, now)
             (w.delayed if item.ready_at > now else w.finished)[item.transfer_id] = item
-            if item.transfer_id not in w.regs:
-                self.writer_stats.finished_first += 1
         elif isinstance(item, _PrefillFailed):
             w.failed[item.transfer_id] = (item.reason, now + self.cfg.registration_ttl_s)
         elif isinstance(item, m.PushAbort):
@@ -221,8 +218,13 @@ class PushConnector(KVConnector):
                 self._fail_remote(reg, w.failed.pop(tid)[0])
             elif tid in w.finished:
                 del w.regs[tid]
+                fin = w.finished.pop(tid)
+                if t_reg <= fin.ready_at:
+                    self.writer_stats.registered_first += 1
+                else:
+                    self.writer_stats.finished_first += 1
                 self.writer_stats.match_wait_s += now - t_reg
-                self._post(w, reg, w.finished.pop(tid))
+                self._post(w, reg, fin)
 
     def _post(self, w: _WriterState, reg: m.PushRegistration, fin: _Finished) -> None:
         peer = self.known_peer(reg.engine_id, reg.incarnation)

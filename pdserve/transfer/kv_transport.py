@@ -1,0 +1,77 @@
+"""The KV cache as seen by a transport: one registered region, block-aligned descriptors.
+
+Both sides register their KV cache first, as region "kv", so its region id is the same
+on every instance and descriptors name it on both ends. The connector works in
+(offset, length) pairs inside that region; this adapter adds the region ids, turns a
+transfer's state into (finished, error) and releases finished handles.
+
+Ownership: the engine owns the KV tensor; the transport keeps a reference to it until
+`close()`. Bytes named by an in-flight transfer belong to the transport until `poll`
+reports it finished (see pdserve.transfer.transport.base).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from pdserve.config import TransportConfig
+from pdserve.kv.cache import KVCache
+from pdserve.transfer.transport import (
+    PeerId,
+    TransferHandle,
+    TransferState,
+    Transport,
+    create_transport,
+)
+
+Pairs = list[tuple[int, int]]
+
+
+class KVTransport:
+    """A transport bound to one instance's KV cache region."""
+
+    def __init__(self, transport: Transport, kv: KVCache) -> None:
+        self.transport = transport
+        self.region = transport.register("kv", kv.tensor, granule=kv.block_nbytes)
+
+    def local_metadata(self) -> bytes:
+        return self.transport.local_metadata()
+
+    def add_peer(self, metadata: bytes) -> PeerId:
+        return self.transport.add_peer(metadata)
+
+    def _descs(self, pairs: Pairs) -> np.ndarray:
+        arr = np.empty((len(pairs), 3), dtype=np.int64)
+        arr[:, 0] = self.region
+        arr[:, 1:] = pairs
+        return arr
+
+    def write(
+        self, peer: PeerId, local: Pairs, remote: Pairs, notif: bytes | None
+    ) -> TransferHandle:
+        return self.transport.write(peer, self._descs(local), self._descs(remote), notif)
+
+    def read(
+        self, peer: PeerId, local: Pairs, remote: Pairs, notif: bytes | None
+    ) -> TransferHandle:
+        return self.transport.read(peer, self._descs(local), self._descs(remote), notif)
+
+    def poll(self, handle: TransferHandle) -> tuple[bool, str | None]:
+        """(finished, error); a finished handle is released here."""
+        state = self.transport.state(handle)
+        if state is TransferState.PENDING:
+            return False, None
+        error = self.transport.error(handle) if state is TransferState.ERROR else None
+        self.transport.release(handle)
+        return True, error
+
+    def wait_notifs(self, timeout_s: float) -> list[bytes]:
+        return [n.payload for n in self.transport.wait_notifs(timeout_s)]
+
+    def close(self) -> None:
+        self.transport.close()
+
+
+def open_kv_transport(cfg: TransportConfig, engine_id: str, kv: KVCache) -> KVTransport:
+    """Start the configured backend and register the KV cache with it."""
+    return KVTransport(create_transport(cfg, engine_id), kv)

@@ -1,0 +1,178 @@
+"""P/D in one process: pull and push over real transports equal a monolithic engine.
+
+Scenarios: both push arrival orders (forced by injected delays), P's failure notice,
+D's watchdog, the fencing rule, lease expiry and a compatibility mismatch; after each,
+both block pools are full again and pass their integrity check.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from pdserve.config import ModelConfig
+from pdserve.engine.types import EngineRequest, FinishReason, SamplingParams
+from pdserve.model.loader import load_model
+from tests.pd_harness import Pair, make_engine
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def loaded(tmp_path_factory):
+    return load_model(ModelConfig(cache_dir=tmp_path_factory.mktemp("models")))
+
+
+@pytest.fixture(scope="module")
+def reference(loaded):
+    """Greedy tokens of a monolithic engine, by prompt."""
+    mono = make_engine(loaded, "both", "pull")
+    cache: dict[tuple[int, ...], list[int]] = {}
+
+    def ref(ids: list[int]) -> list[int]:
+        key = tuple(ids)
+        if key not in cache:
+            rid = f"m{len(cache)}"
+            mono.add_request(EngineRequest(request_id=rid, prompt_token_ids=ids, params=GREEDY))
+            toks: list[int] = []
+            while mono.has_work():
+                for o in mono.step():
+                    toks += o.new_token_ids
+            cache[key] = toks
+        return cache[key]
+
+    return ref
+
+
+def prompts(n: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 250) for _ in range(rng.randrange(1, 200))] for _ in range(n)]
+
+
+@pytest.fixture
+def pair_factory(loaded):
+    made: list[Pair] = []
+
+    def make(mode: str, p_kw=None, d_kw=None, transport="tcp") -> Pair:
+        pair = Pair(
+            make_engine(loaded, "prefill", mode, transport, **(p_kw or {})),
+            make_engine(loaded, "decode", mode, transport, **(d_kw or {})),
+            mode,
+        )
+        made.append(pair)
+        return pair
+
+    yield make
+    for pair in made:
+        pair.close()
+
+
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_pd_output_equals_monolithic(pair_factory, reference, mode) -> None:
+    pair = pair_factory(mode)
+    for i, ids in enumerate(prompts(8, seed=10)):
+        out = pair.generate(f"r{i}", ids, GREEDY)
+        assert out.finish_reason is FinishReason.LENGTH, out.error
+        assert pair.tokens(f"r{i}") == reference(ids), f"prompt {i} ({len(ids)} tokens)"
+    pair.settle()
+    assert pair.p.connector.stats.transfers + pair.d.connector.stats.transfers >= 8
+
+
+@pytest.mark.parametrize("order", ["registration_first", "prefill_first"])
+def test_push_pairs_in_either_order(pair_factory, reference, order) -> None:
+    delay = {"push_finish_delay_s": 0.3} if order == "registration_first" else {}
+    d_delay = {"push_register_delay_s": 0.3} if order == "prefill_first" else {}
+    pair = pair_factory("push", p_kw=delay, d_kw=d_delay)
+    ids = prompts(1, seed=11)[0]
+    pair.generate("r", ids, GREEDY)
+    assert pair.tokens("r") == reference(ids)
+    ws = pair.p.connector.writer_stats
+    if order == "registration_first":
+        assert (ws.registered_first, ws.finished_first) == (1, 0)
+    else:
+        assert (ws.registered_first, ws.finished_first) == (0, 1)
+    pair.settle()
+
+
+def test_push_failure_notice_fails_decode_at_once(pair_factory) -> None:
+    pair = pair_factory("push", p_kw={"push_finish_delay_s": 0.0})
+    ids = prompts(1, seed=12)[0]
+    tid = "t-fail"
+    pair.submit_p("r-p", ids, tid)
+    pair.submit_d("r", ids, GREEDY, pair.push_params(tid))
+    # Only D runs: its registration reaches P while P's prompt has not started.
+    pair.run_until(lambda: pair.d.stats().num_waiting_for_kv == 1, only=pair.d)
+    pair.p.abort_request("r-p")  # prefill aborted: P must tell D
+    pair.run_until(lambda: pair.finished("r"), timeout=5.0)
+    out = pair.finished("r")
+    assert out.finish_reason is FinishReason.ERROR and "prefill" in out.error
+    pair.settle()
+
+
+def test_push_watchdog_frees_blocks_when_no_write_comes(pair_factory) -> None:
+    pair = pair_factory("push", d_kw={"recv_timeout_s": 0.5})
+    ids = prompts(1, seed=13)[0]
+    # P never hears of this transfer: nobody will write.
+    pair.submit_d("r", ids, GREEDY, pair.push_params("t-lost"))
+    pair.run_until(lambda: pair.finished("r"), timeout=5.0)
+    out = pair.finished("r")
+    assert out.finish_reason is FinishReason.ERROR and "no KV" in out.error
+    assert pair.d.connector.stats.recv_timeouts == 1
+    pair.settle()
+
+
+def test_push_fencing_blocks_stay_quarantined_until_p_acknowledges(pair_factory) -> None:
+    # P computes the prompt at once but hands it to its writer only after 1 s; D's watchdog
+    # gives up after 0.3 s. D's blocks must stay fenced until P acknowledges the abort.
+    pair = pair_factory("push", p_kw={"push_finish_delay_s": 1.0}, d_kw={"recv_timeout_s": 0.3})
+    ids = list(range(3, 100))
+    tid = "t-fence"
+    pair.submit_p("r-p", ids, tid)
+    pair.submit_d("r", ids, GREEDY, pair.push_params(tid))
+    pair.run_until(lambda: pair.d.stats().num_waiting_for_kv == 1, only=pair.d)
+    reserved = set(pair.d.requests["r"].block_ids)
+    pair.run_until(lambda: pair.finished("r"), timeout=5.0, only=pair.d)
+    assert pair.finished("r").finish_reason is FinishReason.ERROR
+    fenced = {
+        b for b in range(pair.d.pool.num_blocks) if pair.d.pool.owner_of(b) == f"quarantine:{tid}"
+    }
+    assert fenced == reserved  # not back in the free queue
+    # A new request on D in the meantime never receives a fenced block.
+    sp = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    big = [5] * (16 * (pair.d.pool.num_free - 1))
+    pair.d.add_request(EngineRequest(request_id="other", prompt_token_ids=big, params=sp))
+    pair.d.step()
+    assert not set(pair.d.requests["other"].block_ids) & fenced
+    pair.run_until(lambda: pair.finished("other"))
+    # P's writer gets the abort before the hand-off: it never posts, frees its hold, acks.
+    pair.settle(timeout=10.0)
+    assert pair.p.connector.stats.transfers == 0
+    assert pair.d.pool.num_free == pair.d.pool.num_blocks
+
+
+def test_pull_lease_expiry_frees_p_blocks(pair_factory) -> None:
+    pair = pair_factory("pull", p_kw={"lease_s": 0.3})
+    pair.submit_p("r-p", prompts(1, seed=14)[0])
+    pair.run_until(lambda: pair.finished("r-p"))
+    assert pair.p.pool.num_used > 0  # held for a decode instance that never comes
+    pair.settle(timeout=5.0)
+    assert pair.p.connector.stats.lease_expired == 1
+
+
+def test_compat_mismatch_is_a_clear_error(pair_factory, loaded) -> None:
+    pair = pair_factory("pull")
+    ids = prompts(1, seed=15)[0]
+    pair.p.connector.compat = type(pair.p.connector.compat)(
+        **{
+            **{
+                f: getattr(pair.p.connector.compat, f)
+                for f in pair.p.connector.compat.__struct_fields__
+            },
+            "block_size": 32,
+        }
+    )
+    out = pair.generate("r", ids, GREEDY)
+    assert out.finish_reason is FinishReason.ERROR
+    assert "block_size" in out.error and "incompatible" in out.error
+    pair.settle()
