@@ -2,8 +2,9 @@
 
 Owned by the engine thread. `block_ids` are owned (in the block pool) by the tag
 `request_id` while the request is WAITING (after a preemption they are empty),
-PREFILLING or RUNNING; a request in WAITING_FOR_REMOTE_KV owns blocks under the
-connector's tag instead (see pdserve.transfer.connector).
+WAITING_FOR_REMOTE_KV (D: reserved for the incoming prompt KV) or RUNNING. The
+connector takes them over under its own tags only when the request ends (see
+pdserve.transfer.connector).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ class Request:
         # D side: the prompt's KV comes from a prefill instance, not from our own compute.
         self.needs_remote_kv = bool(req.kv_transfer and req.kv_transfer.do_remote_prefill)
         self.kv_deadline = float("inf")  # D: the connector's watchdog deadline
+        self.kv_wait_start = 0.0  # D: when the connector started receiving
         self.generator: torch.Generator | None = None
         if req.params.seed is not None:
             self.generator = torch.Generator().manual_seed(req.params.seed)

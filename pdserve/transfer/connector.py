@@ -175,7 +175,8 @@ class KVConnector:
     # -- scheduler side: overridden by each mode --------------------------------------------
     def start_receive(self, req: Request) -> None:
         """D: remember the waiting request and arm its watchdog; the mode starts the load."""
-        req.kv_deadline = time.monotonic() + self.cfg.recv_timeout_s
+        req.kv_wait_start = time.monotonic()
+        req.kv_deadline = req.kv_wait_start + self.cfg.recv_timeout_s
         self.receiving[transfer_id_of(req)] = req
 
     def prefill_done(self, req: Request, first_token: int) -> KVTransferParams:
@@ -229,6 +230,8 @@ class KVConnector:
             if isinstance(item, Failed):
                 self.stats.failures += 1
                 return [KVFailed(req.request_id, item.error)]
+            self.stats.recv_wait_seconds += time.monotonic() - req.kv_wait_start
+            self.stats.received += 1
             return [KVReady(req.request_id, item.first_token_id, item.prefill_done_time)]
         return []
 
@@ -439,6 +442,8 @@ class ConnectorStats(msgspec.Struct):
     lease_expired: int = 0
     recv_timeouts: int = 0
     registrations_expired: int = 0
+    received: int = 0  # D: prompts whose KV arrived
+    recv_wait_seconds: float = 0.0  # D: admission (push: registration) to arrival, summed
 
 
 class ReleaseHold(msgspec.Struct, frozen=True):

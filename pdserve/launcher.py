@@ -1,0 +1,510 @@
+"""`pdserve up`: a local P/D cluster (prefill and decode instances plus a router) on one host.
+
+`Cluster` is the programmatic form used by tests and benchmark sweeps:
+
+    with Cluster(ClusterConfig(kv_transfer="push")) as cluster:
+        client = OpenAI(base_url=f"{cluster.router_url}/v1", api_key="none")
+
+Processes: the cluster owns every process it starts and nothing else. Each child runs in its
+own session (so a Ctrl-C in the terminal reaches only the launcher, which then stops the
+children in order) and is stopped by its PID: SIGTERM, then SIGKILL after `stop_timeout_s`.
+If start-up fails half-way, what was started is stopped before the error propagates.
+
+Cores: when the launcher may use at least as many cores as there are instances, each
+instance gets its own equal share (2 cores, 1P1D: P on core 0, D on core 1), pinned with
+`sched_setaffinity` on the child's PID right after it starts (before the interpreter has
+made any thread, so every later thread inherits it) and told `--threads` to match; the
+router stays unpinned. `check_pinning` verifies every thread of every instance afterwards.
+
+Monolithic (`--monolithic`): one `--role both` instance and no router; `router_url` is then
+the instance's URL, so a benchmark reaches the floor through the same API.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import httpx
+
+log = logging.getLogger(__name__)
+
+InstanceRole = Literal["prefill", "decode", "both"]
+_LOG_TAIL_LINES = 30
+
+
+class ClusterError(RuntimeError):
+    """The cluster could not start (the message carries the failing process's log tail)."""
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """What `pdserve up` starts. `kv_transfer=None` means monolithic (one instance)."""
+
+    kv_transfer: Literal["pull", "push"] | None = "push"
+    num_prefill: int = 1
+    num_decode: int = 1
+    transport: Literal["tcp", "nixl"] = "tcp"
+    model: str | None = None  # None: the instances' default model
+    host: str = "127.0.0.1"  # where the router (or the monolithic instance) listens
+    port: int | None = None  # its port; None: a free one
+    policy: str = "round_robin"
+    api_key: str | None = None  # given to every child as PDSERVE_API_KEY
+    request_timeout_s: float | None = None  # the router's; None: its default
+    log_dir: Path | None = None  # None: a new temporary directory
+    instance_args: tuple[str, ...] = ()  # appended to every instance's command line
+    pin_cores: bool = True
+    startup_timeout_s: float = 300.0
+    stop_timeout_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if self.kv_transfer is not None and (self.num_prefill < 1 or self.num_decode < 1):
+            raise ValueError("a P/D cluster needs at least one prefill and one decode instance")
+
+    @property
+    def monolithic(self) -> bool:
+        return self.kv_transfer is None
+
+
+@dataclass(frozen=True)
+class InstanceSpec:
+    """One instance to start; what an instance command factory is given."""
+
+    role: InstanceRole
+    index: int
+    host: str
+    port: int
+    kv_transfer: Literal["pull", "push"] | None
+    transport: str
+    model: str | None
+    cores: tuple[int, ...] | None  # pinned to these; None: unpinned
+    extra_args: tuple[str, ...]
+
+    @property
+    def threads(self) -> int | None:
+        """Compute threads to ask for: one per pinned core, else the instance's default."""
+        return len(self.cores) if self.cores else None
+
+    @property
+    def name(self) -> str:
+        return f"{self.role}-{self.index}"
+
+
+InstanceCommand = Callable[[InstanceSpec], list[str]]
+
+
+def serve_command(spec: InstanceSpec) -> list[str]:
+    """The `pdserve serve` command line of an instance."""
+    cmd = [sys.executable, "-m", "pdserve", "serve"]
+    if spec.role != "both":  # "both" is serve's default; leaving it out keeps old builds usable
+        cmd += ["--role", spec.role]
+    if spec.kv_transfer is not None:
+        cmd += ["--kv-transfer", spec.kv_transfer, "--transport", spec.transport]
+    if spec.model is not None:
+        cmd += ["--model", spec.model]
+    cmd += ["--host", spec.host, "--port", str(spec.port)]
+    if spec.threads is not None and not _has_flag(spec.extra_args, "--threads"):
+        cmd += ["--threads", str(spec.threads)]
+    return cmd + list(spec.extra_args)
+
+
+def _has_flag(args: Sequence[str], flag: str) -> bool:
+    return any(a == flag or a.startswith(f"{flag}=") for a in args)
+
+
+@dataclass
+class ManagedProcess:
+    """A child process the cluster started and will stop."""
+
+    name: str  # "prefill-0", "decode-1", "both-0", "router"
+    role: str
+    url: str
+    popen: subprocess.Popen[bytes]
+    cores: tuple[int, ...] | None  # pinned to these; None: unpinned
+    log_path: Path
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def alive(self) -> bool:
+        """Not exited yet (reaps it if it has)."""
+        return self.popen.poll() is None
+
+    def log_tail(self, lines: int = _LOG_TAIL_LINES) -> str:
+        """The last lines of its log file."""
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError as exc:
+            return f"(no log: {exc})"
+        return "\n".join(text.splitlines()[-lines:])
+
+
+def assign_cores(count: int, available: Sequence[int]) -> list[tuple[int, ...]] | None:
+    """Equal disjoint shares of `available` for `count` instances; None if too few cores."""
+    if count < 1 or len(available) < count:
+        return None
+    per = len(available) // count
+    cores = sorted(available)
+    return [tuple(cores[i * per : (i + 1) * per]) for i in range(count)]
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port free right now (the child binds it moments later)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class Cluster:
+    """A local cluster of instance processes and a router; see the module docstring."""
+
+    def __init__(
+        self,
+        config: ClusterConfig,
+        *,
+        instance_command: InstanceCommand | None = None,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        self.config = config
+        self._instance_command = instance_command  # None: `serve_command`
+        self._env = dict(os.environ if env is None else env)
+        self.log_dir = config.log_dir or Path(tempfile.mkdtemp(prefix="pdserve-up-"))
+        self.instances: list[ManagedProcess] = []
+        self.router: ManagedProcess | None = None
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    def start(self) -> Cluster:
+        """Start everything and wait until all of it is healthy (bounded)."""
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        deadline = time.monotonic() + self.config.startup_timeout_s
+        try:
+            for spec in self.instance_specs():
+                self.instances.append(self._start_instance(spec))
+            if not self.config.monolithic:
+                self.router = self._start_router()
+            _wait_healthy(self.instances, deadline)
+            if self.router is not None:
+                _wait_healthy([self.router], deadline)
+        except BaseException:
+            self.stop()
+            raise
+        for problem in self.check_pinning():
+            log.warning("%s", problem)
+        return self
+
+    def stop(self) -> None:
+        """Stop every process started (router first), by PID: SIGTERM, then SIGKILL."""
+        procs = [p for p in (self.router, *reversed(self.instances)) if p is not None]
+        for p in procs:
+            if p.alive():
+                p.popen.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + self.config.stop_timeout_s
+        for p in procs:
+            try:
+                p.popen.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.warning("%s (pid %d) ignored SIGTERM: killing it", p.name, p.pid)
+                p.popen.kill()
+                p.popen.wait()
+
+    def __enter__(self) -> Cluster:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # -- queries --------------------------------------------------------------------------
+
+    @property
+    def router_url(self) -> str:
+        """Where clients go: the router, or the single instance when monolithic."""
+        if self.router is not None:
+            return self.router.url
+        if self.instances:
+            return self.instances[0].url
+        raise RuntimeError("the cluster is not started")
+
+    @property
+    def processes(self) -> list[ManagedProcess]:
+        """Every process started, instances first, router last."""
+        return [*self.instances, *([self.router] if self.router else [])]
+
+    def first_dead(self) -> ManagedProcess | None:
+        """A process that has exited, if any."""
+        return next((p for p in self.processes if not p.alive()), None)
+
+    def wait(self, poll_s: float = 0.5) -> ManagedProcess:
+        """Block until a child exits; return it (the caller then stops the rest)."""
+        while (dead := self.first_dead()) is None:
+            time.sleep(poll_s)
+        return dead
+
+    def check_pinning(self) -> list[str]:
+        """Threads of pinned instances allowed outside their cores (should be none)."""
+        problems = []
+        for p in self.instances:
+            if p.cores is None or not p.alive():
+                continue
+            for tid, allowed in _thread_affinities(p.pid):
+                if not allowed <= set(p.cores):
+                    problems.append(
+                        f"{p.name} (pid {p.pid}) thread {tid} may run on cores "
+                        f"{sorted(allowed)}, not only {list(p.cores)}"
+                    )
+        return problems
+
+    # -- starting -------------------------------------------------------------------------
+
+    def instance_specs(self) -> list[InstanceSpec]:
+        """What to start, in start order (prefill first), with ports and cores assigned."""
+        c = self.config
+        roles: list[InstanceRole] = (
+            ["both"] if c.monolithic else ["prefill"] * c.num_prefill + ["decode"] * c.num_decode
+        )
+        shares = assign_cores(len(roles), sorted(os.sched_getaffinity(0))) if c.pin_cores else None
+        index: dict[str, int] = {}
+        specs = []
+        for i, role in enumerate(roles):
+            index[role] = index.get(role, -1) + 1
+            port = c.port if c.monolithic and c.port else free_port()
+            host = c.host if c.monolithic else "127.0.0.1"
+            cores = shares[i] if shares else None
+            specs.append(
+                InstanceSpec(
+                    role,
+                    index[role],
+                    host,
+                    port,
+                    c.kv_transfer,
+                    c.transport,
+                    c.model,
+                    cores,
+                    c.instance_args,
+                )
+            )
+        return specs
+
+    def _start_instance(self, spec: InstanceSpec) -> ManagedProcess:
+        cmd = (self._instance_command or serve_command)(spec)
+        url = f"http://{_connect_host(spec.host)}:{spec.port}"
+        env = self._child_env(threads=spec.threads)
+        proc = self._spawn(spec.name, spec.role, cmd, env, url, spec.cores)
+        if spec.cores is not None:
+            os.sched_setaffinity(proc.pid, spec.cores)
+        return proc
+
+    def _start_router(self) -> ManagedProcess:
+        c = self.config
+        port = c.port or free_port()
+        urls = {r: [p.url for p in self.instances if p.role == r] for r in ("prefill", "decode")}
+        cmd = [
+            sys.executable,
+            "-m",
+            "pdserve",
+            "router",
+            "--prefill",
+            *urls["prefill"],
+            "--decode",
+            *urls["decode"],
+            "--kv-transfer",
+            str(c.kv_transfer),
+            "--policy",
+            c.policy,
+            "--host",
+            c.host,
+            "--port",
+            str(port),
+        ]
+        if c.request_timeout_s is not None:
+            cmd += ["--request-timeout", str(c.request_timeout_s)]
+        url = f"http://{_connect_host(c.host)}:{port}"
+        return self._spawn("router", "router", cmd, self._child_env(threads=None), url, None)
+
+    def _child_env(self, threads: int | None) -> dict[str, str]:
+        env = {**self._env, "PYTHONUNBUFFERED": "1"}
+        if self.config.api_key:
+            env["PDSERVE_API_KEY"] = self.config.api_key
+        if threads is not None:  # keep OpenMP/MKL pools within the instance's cores
+            env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(threads)
+        return env
+
+    def _spawn(
+        self,
+        name: str,
+        role: str,
+        cmd: list[str],
+        env: dict[str, str],
+        url: str,
+        cores: tuple[int, ...] | None,
+    ) -> ManagedProcess:
+        log_path = self.log_dir / f"{name}.log"
+        with open(log_path, "wb") as out:
+            out.write(f"$ {' '.join(cmd)}\n".encode())
+            out.flush()
+            popen = subprocess.Popen(
+                cmd,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+            )
+        log.info("started %s (pid %d): %s", name, popen.pid, " ".join(cmd))
+        return ManagedProcess(name, role, url, popen, cores, log_path)
+
+
+def _connect_host(bind_host: str) -> str:
+    return "127.0.0.1" if bind_host in ("0.0.0.0", "", "::") else bind_host
+
+
+def _thread_affinities(pid: int) -> Iterator[tuple[int, set[int]]]:
+    with contextlib.suppress(FileNotFoundError):
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with contextlib.suppress(OSError):  # the thread may have ended meanwhile
+                yield int(tid), os.sched_getaffinity(int(tid))
+
+
+def _wait_healthy(procs: Sequence[ManagedProcess], deadline: float) -> None:
+    """Return when every process answers /health 200; raise ClusterError with the log tail
+    of the first process that exits or of those still unhealthy at the deadline."""
+    pending = list(procs)
+    with httpx.Client(trust_env=False, timeout=1.0) as client:
+        while pending:
+            for p in list(pending):
+                if not p.alive():
+                    raise ClusterError(
+                        f"{p.name} (pid {p.pid}) exited with code "
+                        f"{p.popen.returncode} during start-up; log "
+                        f"{p.log_path}:\n{p.log_tail()}"
+                    )
+                if _healthy(client, p.url):
+                    pending.remove(p)
+            if pending and time.monotonic() > deadline:
+                tails = "\n".join(f"--- {p.name} ({p.log_path}):\n{p.log_tail()}" for p in pending)
+                names = ", ".join(p.name for p in pending)
+                raise ClusterError(f"not healthy in time: {names}\n{tails}")
+            if pending:
+                time.sleep(0.2)
+
+
+def _healthy(client: httpx.Client, url: str) -> bool:
+    try:
+        return client.get(f"{url}/health").status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+# -- the `pdserve up` command ---------------------------------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of `pdserve up`; everything after `--` goes to every instance."""
+    mode = parser.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--kv-transfer", choices=("pull", "push"), help="P/D transfer mode")
+    mode.add_argument(
+        "--monolithic",
+        action="store_true",
+        help="one --role both instance and no router (the baseline)",
+    )
+    parser.add_argument("--prefill", type=int, default=1, metavar="N", help="prefill instances")
+    parser.add_argument("--decode", type=int, default=1, metavar="M", help="decode instances")
+    parser.add_argument("--transport", choices=("tcp", "nixl"), default="tcp")
+    parser.add_argument("--model", help="passed to every instance (default: theirs)")
+    parser.add_argument("--host", default="127.0.0.1", help="where the router listens")
+    parser.add_argument("--port", type=int, default=8000, help="the router's port")
+    parser.add_argument("--policy", choices=("round_robin", "least_loaded"), default="round_robin")
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("PDSERVE_API_KEY"),
+        help="cluster API key, given to every process (default: $PDSERVE_API_KEY)",
+    )
+    parser.add_argument("--request-timeout", type=float, metavar="S", help="the router's")
+    parser.add_argument(
+        "--log-dir", type=Path, help="one log file per process (default: a temp dir)"
+    )
+    parser.add_argument("--no-pin", action="store_true", help="do not pin instances to cores")
+    parser.add_argument("--startup-timeout", type=float, default=300.0, metavar="S")
+    parser.add_argument(
+        "instance_args", nargs=argparse.REMAINDER, help="-- then extra arguments for every instance"
+    )
+
+
+def config_from_args(args: argparse.Namespace) -> ClusterConfig:
+    """The `ClusterConfig` of parsed `pdserve up` arguments."""
+    extra = list(args.instance_args)
+    if extra[:1] == ["--"]:
+        extra = extra[1:]
+    return ClusterConfig(
+        kv_transfer=None if args.monolithic else args.kv_transfer,
+        num_prefill=args.prefill,
+        num_decode=args.decode,
+        transport=args.transport,
+        model=args.model,
+        host=args.host,
+        port=args.port,
+        policy=args.policy,
+        api_key=args.api_key or None,
+        request_timeout_s=args.request_timeout,
+        log_dir=args.log_dir,
+        instance_args=tuple(extra),
+        pin_cores=not args.no_pin,
+        startup_timeout_s=args.startup_timeout,
+    )
+
+
+def main(args: argparse.Namespace) -> int:
+    """Start the cluster, print where it is, and stop it on Ctrl-C, SIGTERM or a child's death."""
+    logging.basicConfig(level=logging.INFO, format="pdserve up: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per health poll otherwise
+    cluster = Cluster(config_from_args(args))
+    previous = {s: signal.signal(s, _interrupt) for s in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        print(f"pdserve up: starting; logs in {cluster.log_dir}", flush=True)
+        cluster.start()
+        _print_summary(cluster)
+        dead = cluster.wait()
+        print(
+            f"pdserve up: {dead.name} (pid {dead.pid}) exited with code "
+            f"{dead.popen.returncode}; stopping the cluster. Its log ends:\n{dead.log_tail()}",
+            file=sys.stderr,
+            flush=True,
+        )
+        return 1
+    except KeyboardInterrupt:
+        print("pdserve up: stopping", flush=True)
+        return 0
+    except ClusterError as exc:
+        print(f"pdserve up: {exc}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        cluster.stop()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
+def _print_summary(cluster: Cluster) -> None:
+    c = cluster.config
+    what = "monolithic" if c.monolithic else f"kv-transfer {c.kv_transfer}, policy {c.policy}"
+    print(f"\npdserve up: ready ({what})\n  URL      {cluster.router_url}", flush=True)
+    for p in cluster.processes:
+        cores = ",".join(map(str, p.cores)) if p.cores else "-"
+        print(f"  {p.role:<8} {p.url:<24} pid {p.pid:<8} cores {cores:<6} log {p.log_path}")
+    print("Ctrl-C stops everything.", flush=True)

@@ -1,0 +1,225 @@
+"""The router's FastAPI app: OpenAI-compatible front door of a P/D cluster.
+
+One app owns one pooled `httpx.AsyncClient` (opened and closed by its lifespan), the
+instance pool, the health monitor's tasks and the metrics registry; nothing is global,
+so tests can run several routers in one process.
+
+Client disconnects: while the legs run and before any response exists (P's prefill in
+pull mode, D's queueing and KV transfer in push mode) a watcher waits on the ASGI
+`http.disconnect`; if it comes first the dispatch is cancelled, which closes every
+upstream request (aborting it on its instance). Once D's stream is relayed, Starlette's
+own disconnect listener cancels the relay, which closes D's stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import msgspec
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from pdserve.router.config import RouterConfig
+from pdserve.router.dispatch import Call, Dispatcher, cancel_and_wait
+from pdserve.router.health import HealthMonitor, Instance, InstancePool
+from pdserve.router.metrics import RouterMetrics
+from pdserve.server.errors import APIError, bad_request, install_error_handlers
+
+CLIENT_CLOSED_REQUEST = 499  # nginx's code; nobody reads it, it only reaches the access log
+
+
+@dataclass
+class RouterState:
+    """What the routes need; `app.state.router`, set by the lifespan."""
+
+    config: RouterConfig
+    pool: InstancePool
+    metrics: RouterMetrics
+    client: httpx.AsyncClient
+    dispatcher: Dispatcher
+
+
+def _client(config: RouterConfig) -> httpx.AsyncClient:
+    limits = httpx.Limits(
+        max_connections=config.max_connections,
+        max_keepalive_connections=config.max_keepalive_connections,
+    )
+    # trust_env=False: an HTTP(S)_PROXY in the environment must not capture loopback traffic.
+    return httpx.AsyncClient(
+        limits=limits, trust_env=False, timeout=httpx.Timeout(config.request_timeout_s)
+    )
+
+
+def create_app(config: RouterConfig) -> FastAPI:
+    """A router app for `config`; serve it with uvicorn (its lifespan starts health checks)."""
+    pool = InstancePool(config)
+    metrics = RouterMetrics(pool)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        async with _client(config) as client:
+            dispatcher = Dispatcher(config, client, pool, metrics)
+            monitor = HealthMonitor(pool, client, config)
+            app.state.router = RouterState(config, pool, metrics, client, dispatcher)
+            await monitor.start()
+            try:
+                yield
+            finally:
+                await monitor.stop()
+                await dispatcher.aclose()
+
+    app = FastAPI(title="pdserve router", lifespan=lifespan)
+    install_error_handlers(app)
+    _add_routes(app, config)
+    return app
+
+
+def _add_routes(app: FastAPI, config: RouterConfig) -> None:
+    auth = [Depends(_api_key_checker(config.api_key))]
+
+    @app.post("/v1/completions", dependencies=auth)
+    async def completions(request: Request) -> Response:
+        return await _generate(request, "/v1/completions")
+
+    @app.post("/v1/chat/completions", dependencies=auth)
+    async def chat_completions(request: Request) -> Response:
+        return await _generate(request, "/v1/chat/completions")
+
+    @app.get("/v1/models", dependencies=auth)
+    async def models(request: Request) -> Response:
+        return await _models(_state(request))
+
+    @app.get("/health")
+    async def health(request: Request) -> Response:
+        return _health(_state(request).pool)
+
+    @app.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        body, content_type = _state(request).metrics.render()
+        return Response(body, media_type=content_type)
+
+    @app.get("/router/instances")
+    async def instances(request: Request) -> Response:
+        return JSONResponse([_describe(i) for i in _state(request).pool.instances])
+
+
+def _state(request: Request) -> RouterState:
+    return request.app.state.router
+
+
+def _api_key_checker(api_key: str | None) -> Any:
+    async def check(request: Request) -> None:
+        if api_key is None:
+            return
+        given = request.headers.get("authorization", "").encode()
+        if not secrets.compare_digest(given, f"Bearer {api_key}".encode()):
+            raise APIError(401, "Invalid or missing API key (Authorization: Bearer ...)")
+
+    return check
+
+
+async def _generate(request: Request, path: str) -> Response:
+    body = await _read_json_object(request)
+    call = Call(
+        path=path,
+        body=body,
+        stream=body.get("stream") is True,
+        request_id=request.headers.get("x-request-id") or uuid.uuid4().hex,
+        arrival=time.monotonic(),
+    )
+    response = await until_disconnect(request, _state(request).dispatcher.dispatch(call))
+    return response or Response(status_code=CLIENT_CLOSED_REQUEST)
+
+
+async def _read_json_object(request: Request) -> dict[str, Any]:
+    try:
+        body = msgspec.json.decode(await request.body())
+    except msgspec.DecodeError as exc:
+        raise bad_request(f"The request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise bad_request("The request body must be a JSON object")
+    return body
+
+
+async def until_disconnect(request: Request, work: Awaitable[Response]) -> Response | None:
+    """`work`'s result, or None (and `work` cancelled) if the client disconnects first.
+    Call after the body has been read: the watcher consumes ASGI receive messages."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not task.done():
+            await cancel_and_wait(task, watcher)
+        else:
+            await cancel_and_wait(watcher)
+    return None if task.cancelled() else task.result()
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _health(pool: InstancePool) -> Response:
+    counts = {
+        role: {"healthy": len(pool.admitted(role)), "total": len(pool.by_role(role))}
+        for role in ("prefill", "decode")
+    }
+    ready = pool.is_ready()
+    body = {"status": "ok" if ready else "unavailable", **counts}
+    return JSONResponse(body, status_code=200 if ready else 503)
+
+
+async def _models(state: RouterState) -> Response:
+    """The union of the models the admitted instances serve."""
+    urls = [i.url for i in state.pool.instances if i.admitted]
+    headers = {"Authorization": f"Bearer {state.config.api_key}"} if state.config.api_key else {}
+    answers = await asyncio.gather(
+        *(
+            state.client.get(
+                f"{u}/v1/models", headers=headers, timeout=state.config.health_timeout_s
+            )
+            for u in urls
+        ),
+        return_exceptions=True,
+    )
+    seen: dict[str, Any] = {}
+    for r in answers:
+        for model in _model_list(r):
+            seen.setdefault(model.get("id"), model)
+    if not seen:
+        raise APIError(503, "no healthy instance answered /v1/models")
+    return JSONResponse({"object": "list", "data": list(seen.values())})
+
+
+def _model_list(answer: httpx.Response | BaseException) -> list[dict[str, Any]]:
+    if not isinstance(answer, httpx.Response) or not answer.is_success:
+        return []
+    try:
+        data = msgspec.json.decode(answer.content).get("data", [])
+    except (msgspec.DecodeError, AttributeError):
+        return []
+    return [m for m in data if isinstance(m, dict)] if isinstance(data, list) else []
+
+
+def _describe(inst: Instance) -> dict[str, Any]:
+    info = msgspec.to_builtins(inst.info) if inst.info is not None else None
+    load = msgspec.to_builtins(inst.load) if inst.load is not None else None
+    return {
+        "url": inst.url,
+        "role": inst.role,
+        "admitted": inst.admitted,
+        "consecutive_failures": inst.failures,
+        "outstanding": inst.outstanding,
+        "info": info,
+        "load": load,
+    }

@@ -1,0 +1,48 @@
+"""The router's configuration: one frozen dataclass, built from the CLI once at start-up."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+TransferMode = Literal["pull", "push"]
+PolicyName = Literal["round_robin", "least_loaded"]
+POLICY_NAMES: tuple[PolicyName, ...] = ("round_robin", "least_loaded")
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """Everything one router process needs; never mutated after start-up."""
+
+    prefill_urls: tuple[str, ...]
+    decode_urls: tuple[str, ...]
+    kv_transfer: TransferMode
+    policy: PolicyName = "round_robin"
+    host: str = "127.0.0.1"
+    port: int = 8000
+    # Checked on the client's requests and sent to the instances (one key for the cluster).
+    api_key: str | None = None
+    # Bound on each leg: P's whole answer, D's first token, and every gap between D's chunks.
+    request_timeout_s: float = 300.0
+    connect_timeout_s: float = 5.0
+    health_interval_s: float = 1.0
+    health_timeout_s: float = 2.0  # a busy CPU instance can answer /health slowly
+    health_failures_to_eject: int = 2
+    load_interval_s: float = 0.5
+    # HTTP/1.1 needs one connection per concurrent stream, so the pool must not be the limit.
+    max_connections: int = 10_000
+    max_keepalive_connections: int = 1_000
+
+    def __post_init__(self) -> None:
+        if not self.prefill_urls or not self.decode_urls:
+            raise ValueError("the router needs at least one prefill and one decode instance")
+        if min(self.request_timeout_s, self.health_interval_s, self.load_interval_s) <= 0:
+            raise ValueError("timeouts and intervals must be positive")
+        if self.health_failures_to_eject < 1:
+            raise ValueError("health_failures_to_eject must be at least 1")
+
+
+def normalize_url(url: str) -> str:
+    """`host:port` or `http://host:port/` -> `http://host:port`."""
+    url = url.strip().rstrip("/")
+    return url if "://" in url else f"http://{url}"

@@ -1,0 +1,525 @@
+"""P/D dispatch: the prefill and decode legs of one client request, in pull or push mode.
+
+Pull (sequential): P gets the prompt with `max_tokens=1` and `{do_remote_decode,
+transfer_mode="pull"}`; the `kv_transfer_params` of P's answer, plus `do_remote_prefill`,
+go to D with the client's original request; D's answer goes to the client unchanged.
+
+Push (concurrent): P and D are picked up front and a `transfer_id` made; both legs start
+at once as tasks. D's leg carries P's engine id and side channel (from P's `/kv/info`).
+Until D's first token, a failing P leg cancels D's (closing D's stream aborts the request
+there) and the client gets P's error; a failing D leg cancels P's. After D's first token
+the client is committed to D's stream and P's answer only feeds metrics.
+
+"D's first token" is its first substantive SSE event (`pdserve.router.sse`): events with
+no token (a chat stream's role head) are held back until then, because D may send them
+before it has the KV. The client gets nothing, not even the status line, before it.
+
+Both legs carry the client's `X-Request-Id` (or a new one) unchanged: P and D are separate
+engines and pair the transfer by `transfer_id`, so the shared id only joins their logs.
+
+Ownership: the outstanding-leg count of an instance is taken by `InstancePool.acquire` and
+given back exactly once: P's when its leg task ends (a done callback, so a task cancelled
+before it ran still releases), D's by the dispatcher on failure before a response exists,
+afterwards by `DecodeRelay.finish`. An open upstream response is closed by whoever holds
+it when the request ends: `_open_decode` on its own failure or cancellation, then the
+relay (end of stream, upstream error, or client disconnect).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+import httpx
+import msgspec
+from fastapi.responses import Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from pdserve.router.config import RouterConfig
+from pdserve.router.health import Instance, InstancePool, Role
+from pdserve.router.metrics import RouterMetrics
+from pdserve.router.sse import EventAnnotator, StreamStartDetector
+from pdserve.server.errors import APIError
+
+log = logging.getLogger(__name__)
+
+Params = dict[str, Any]
+
+# P's prefill-done time (unix seconds) for clients measuring the handoff (docs/router.md).
+PREFILL_DONE_HEADER = "X-PDServe-Prefill-Done"
+
+
+@dataclass(frozen=True)
+class Call:
+    """One client request as the dispatcher sees it (the body is never mutated)."""
+
+    path: str  # "/v1/completions" or "/v1/chat/completions"
+    body: dict[str, Any]
+    stream: bool
+    request_id: str
+    arrival: float = field(default_factory=time.monotonic)
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    """What the P leg returned."""
+
+    params: Params | None  # P's kv_transfer_params
+    prefill_done_time: float | None  # unix time
+
+
+@dataclass
+class DecodeStart:
+    """D's answer up to its first token. Owns `response` until handed to a relay."""
+
+    response: httpx.Response
+    sent: float  # monotonic time the D leg was sent
+    first_chunk: bytes  # D's bytes up to its first token; the whole body when not streaming
+    first_token_unix: float
+    chunks: AsyncIterator[bytes] | None  # the rest of the stream; None when complete
+
+
+def prefill_body(body: dict[str, Any], params: Params) -> dict[str, Any]:
+    """The client's request turned into a P leg: one token, no stream, router's params."""
+    out = {k: v for k, v in body.items() if k not in ("stream_options", "min_tokens")}
+    out.update(max_tokens=1, stream=False, kv_transfer_params=params)
+    if "max_completion_tokens" in out:
+        out["max_completion_tokens"] = 1
+    return out
+
+
+def decode_body(body: dict[str, Any], params: Params) -> dict[str, Any]:
+    """The client's request with the D leg's params (any the client sent are replaced)."""
+    return {**body, "kv_transfer_params": params}
+
+
+def pull_decode_params(prefill_params: Params) -> Params:
+    """P's answer as D's params: everything P said, marked as a remote prefill."""
+    out = {k: v for k, v in prefill_params.items() if k != "do_remote_decode"}
+    out.update(do_remote_prefill=True, transfer_mode="pull")
+    return out
+
+
+def push_params(p: Instance, transfer_id: str) -> tuple[Params, Params]:
+    """The (P, D) params of a push pair; P must have `can_receive_push`."""
+    assert p.info is not None
+    p_params = {"do_remote_decode": True, "transfer_mode": "push", "transfer_id": transfer_id}
+    d_params = {
+        "do_remote_prefill": True,
+        "transfer_mode": "push",
+        "transfer_id": transfer_id,
+        "remote_engine_id": p.info.engine_id,
+        "remote_host": p.info.side_channel_host,
+        "remote_port": p.info.side_channel_port,
+    }
+    return p_params, d_params
+
+
+class Dispatcher:
+    """Runs the legs of client requests; one per app, used only on its event loop."""
+
+    def __init__(
+        self,
+        config: RouterConfig,
+        client: httpx.AsyncClient,
+        pool: InstancePool,
+        metrics: RouterMetrics,
+    ) -> None:
+        self._config = config
+        self._client = client
+        self._pool = pool
+        self._metrics = metrics
+        self._timeout = httpx.Timeout(config.request_timeout_s, connect=config.connect_timeout_s)
+        self._background: set[asyncio.Task[Any]] = set()  # P legs outliving their response
+
+    async def dispatch(self, call: Call) -> Response:
+        """The response for the client: D's stream or body, or an OpenAI-style JSON error."""
+        mode = self._config.kv_transfer
+        try:
+            if mode == "pull":
+                return await self._pull(call)
+            return await self._push(call)
+        except APIError as err:
+            self._metrics.requests.labels(mode, str(err.status)).inc()
+            return err.response(headers={"X-Request-Id": call.request_id})
+        except asyncio.CancelledError:
+            self._metrics.requests.labels(mode, "client_disconnect").inc()
+            raise
+
+    async def aclose(self) -> None:
+        """Cancel P legs still running in the background (router shutdown)."""
+        await cancel_and_wait(*self._background)
+
+    # -- pull -----------------------------------------------------------------------------
+
+    async def _pull(self, call: Call) -> Response:
+        if not self._pool.admitted("decode"):  # don't spend a prefill nobody can decode
+            raise _no_instance("decode")
+        p = self._acquire("prefill")
+        try:
+            result = await self._prefill(
+                p, call, {"do_remote_decode": True, "transfer_mode": "pull"}
+            )
+        finally:
+            self._pool.release(p)
+        if result.params is None:
+            raise self._leg_error(
+                "prefill", p, "missing_params", 502, "returned no kv_transfer_params"
+            )
+        d = self._acquire("decode")
+        try:
+            start = await self._open_decode(d, call, pull_decode_params(result.params))
+        except BaseException:
+            self._pool.release(d)
+            raise
+        self._observe_handoff(result, start.first_token_unix)
+        return self._respond(call, d, start, None, result.prefill_done_time)
+
+    # -- push -----------------------------------------------------------------------------
+
+    async def _push(self, call: Call) -> Response:
+        p = self._acquire("prefill", need_push_info=True)
+        d = self._pool.acquire("decode")
+        if d is None:
+            self._pool.release(p)
+            raise _no_instance("decode")
+        p_params, d_params = push_params(p, uuid.uuid4().hex)
+        p_task = asyncio.create_task(self._prefill(p, call, p_params))
+        p_task.add_done_callback(lambda _: self._pool.release(p))
+        d_task = asyncio.create_task(self._open_decode(d, call, d_params))
+        try:
+            start = await self._first_token_or_prefill_error(p_task, d_task)
+        except BaseException:
+            self._pool.release(d)
+            await cancel_and_wait(p_task, d_task)
+            raise
+        self._after_prefill(p_task, start.first_token_unix)
+        return self._respond(call, d, start, p_task)
+
+    @staticmethod
+    async def _first_token_or_prefill_error(
+        p_task: asyncio.Task[PrefillResult], d_task: asyncio.Task[DecodeStart]
+    ) -> DecodeStart:
+        """D's start, unless P fails first (then P's error is raised and D is cancelled by
+        the caller). D's own error is raised as is."""
+        await asyncio.wait({p_task, d_task}, return_when=asyncio.FIRST_COMPLETED)
+        if not d_task.done() and p_task.exception() is not None:
+            raise p_task.exception()  # type: ignore[misc]
+        return await d_task
+
+    def _after_prefill(self, p_task: asyncio.Task[PrefillResult], first_token: float) -> None:
+        """Record the handoff once P answers; log a P failure that came after D's first token."""
+
+        def done(task: asyncio.Task[PrefillResult]) -> None:
+            self._background.discard(task)
+            if task.cancelled():
+                return
+            if task.exception() is not None:
+                log.warning("prefill leg failed after decode started: %s", task.exception())
+                return
+            self._observe_handoff(task.result(), first_token)
+
+        if p_task.done():
+            done(p_task)
+        else:
+            self._background.add(p_task)
+            p_task.add_done_callback(done)
+
+    # -- legs -----------------------------------------------------------------------------
+
+    def _acquire(self, role: Role, *, need_push_info: bool = False) -> Instance:
+        inst = self._pool.acquire(role, need_push_info=need_push_info)
+        if inst is None:
+            raise _no_instance(role, need_push_info)
+        return inst
+
+    def _headers(self, call: Call) -> dict[str, str]:
+        headers = {"X-Request-Id": call.request_id, "Content-Type": "application/json"}
+        if self._config.api_key:
+            headers["Authorization"] = f"Bearer {self._config.api_key}"
+        return headers
+
+    async def _prefill(self, p: Instance, call: Call, params: Params) -> PrefillResult:
+        """Send the P leg and wait for P's answer; raises APIError on any failure."""
+        sent = time.monotonic()
+        body = msgspec.json.encode(prefill_body(call.body, params))
+        try:
+            r = await self._client.post(
+                f"{p.url}{call.path}",
+                content=body,
+                headers=self._headers(call),
+                timeout=self._timeout,
+            )
+        except httpx.HTTPError as exc:
+            raise self._transport_error("prefill", p, exc) from None
+        if not r.is_success:
+            raise self._status_error("prefill", p, r.status_code, r.content)
+        self._metrics.prefill_leg.observe(time.monotonic() - sent)
+        params_back = _json_object(r.content).get("kv_transfer_params")
+        if not isinstance(params_back, dict):
+            return PrefillResult(None, None)
+        done = params_back.get("prefill_done_time")
+        return PrefillResult(params_back, done if isinstance(done, int | float) else None)
+
+    async def _open_decode(self, d: Instance, call: Call, params: Params) -> DecodeStart:
+        """Send the D leg and read up to its first token (all of it when not streaming).
+        Closes D's response itself if it fails or is cancelled on the way."""
+        sent = time.monotonic()
+        body = msgspec.json.encode(decode_body(call.body, params))
+        request = self._client.build_request(
+            "POST",
+            f"{d.url}{call.path}",
+            content=body,
+            headers=self._headers(call),
+            timeout=self._timeout,
+        )
+        try:
+            response = await self._client.send(request, stream=True)
+        except httpx.HTTPError as exc:
+            raise self._transport_error("decode", d, exc) from None
+        try:
+            return await self._read_start(d, response, sent, call.stream)
+        except BaseException:
+            await close_quietly(response)
+            raise
+
+    async def _read_start(
+        self, d: Instance, response: httpx.Response, sent: float, stream: bool
+    ) -> DecodeStart:
+        try:
+            if not response.is_success:
+                raise self._status_error("decode", d, response.status_code, await response.aread())
+            if not stream:
+                body = await response.aread()
+                self._metrics.decode_first_token.observe(time.monotonic() - sent)
+                return DecodeStart(response, sent, body, time.time(), None)
+            chunks = response.aiter_raw()
+            first = await _read_until_started(chunks)
+        except httpx.HTTPError as exc:
+            raise self._transport_error("decode", d, exc) from None
+        self._metrics.decode_first_token.observe(time.monotonic() - sent)
+        return DecodeStart(response, sent, first, time.time(), chunks)
+
+    # -- responses ------------------------------------------------------------------------
+
+    def _respond(
+        self,
+        call: Call,
+        d: Instance,
+        start: DecodeStart,
+        p_task: asyncio.Task[PrefillResult] | None,
+        prefill_done: float | None = None,
+    ) -> Response:
+        """D's answer for the client. P's prefill-done time goes out as a header when known
+        now (pull, or push when P already answered), else in the stream (`DecodeRelay`)."""
+        self._metrics.time_to_first_token.observe(time.monotonic() - call.arrival)
+        relay = DecodeRelay(
+            self._pool,
+            self._metrics,
+            self._config.kv_transfer,
+            lambda exc: self._transport_error("decode", d, exc),
+            d,
+            start,
+            p_task,
+        )
+        status = start.response.status_code
+        headers = {"X-Request-Id": call.request_id}
+        done_time = _prefill_done_time(p_task) if p_task is not None else prefill_done
+        if done_time is not None:
+            headers[PREFILL_DONE_HEADER] = f"{done_time:.6f}"
+            relay.prefill_done_reported = True
+        media_type = start.response.headers.get("content-type")
+        if start.chunks is None:
+            relay.finish(str(status))
+            return Response(start.first_chunk, status, headers, media_type)
+        return RelayStreamingResponse(relay, status, headers, media_type)
+
+    def _observe_handoff(self, result: PrefillResult, first_token_unix: float) -> None:
+        if result.prefill_done_time is not None:
+            self._metrics.handoff.observe(max(0.0, first_token_unix - result.prefill_done_time))
+
+    def _leg_error(self, leg: str, inst: Instance, reason: str, status: int, what: str) -> APIError:
+        self._metrics.leg_errors.labels(leg, reason).inc()
+        return APIError(status, f"{leg} instance {inst.url} {what}")
+
+    def _transport_error(self, leg: str, inst: Instance, exc: httpx.HTTPError) -> APIError:
+        if isinstance(exc, httpx.TimeoutException):
+            what = f"timed out ({type(exc).__name__}, limit {self._config.request_timeout_s:g} s)"
+            return self._leg_error(leg, inst, "timeout", 504, what)
+        reason = "connect" if isinstance(exc, httpx.ConnectError) else "protocol"
+        return self._leg_error(leg, inst, reason, 502, f"failed: {type(exc).__name__}: {exc}")
+
+    def _status_error(self, leg: str, inst: Instance, status: int, content: bytes) -> APIError:
+        """An upstream 4xx (the client's mistake) is relayed with its status and error body;
+        an upstream 5xx or a body that is not an OpenAI-style error becomes a 502 that names
+        the leg, the instance and its status."""
+        self._metrics.leg_errors.labels(leg, "http_status").inc()
+        err = _json_object(content).get("error")
+        if not (isinstance(err, dict) and isinstance(err.get("message"), str)):
+            snippet = content[:200].decode(errors="replace")
+            return APIError(502, f"{leg} instance {inst.url} answered HTTP {status}: {snippet}")
+        if status < 500:
+            return APIError(
+                status,
+                err["message"],
+                type=err.get("type"),
+                param=err.get("param"),
+                code=err.get("code"),
+            )
+        message = f"{leg} instance {inst.url} answered HTTP {status}: {err['message']}"
+        return APIError(502, message, code=err.get("code"))
+
+
+class DecodeRelay:
+    """Streams D's body to the client. Owns D's response and D's outstanding count from
+    `Dispatcher._respond` until `close`/`finish`; in push mode also decides the P leg's fate
+    (cancelled unless the request succeeded)."""
+
+    def __init__(
+        self,
+        pool: InstancePool,
+        metrics: RouterMetrics,
+        mode: str,
+        on_error: Callable[[httpx.HTTPError], APIError],
+        d: Instance,
+        start: DecodeStart,
+        p_task: asyncio.Task[PrefillResult] | None,
+    ) -> None:
+        self._pool = pool
+        self._metrics = metrics
+        self._mode = mode
+        self._on_error = on_error
+        self._d = d
+        self._start = start
+        self._p_task = p_task
+        self._finished = False
+        self._annotator: EventAnnotator | None = None
+        self.prefill_done_reported = False  # set by the dispatcher when it sent the header
+
+    async def chunks(self) -> AsyncGenerator[bytes, None]:
+        """D's chunks as they come; an upstream failure mid-stream ends the stream with an
+        SSE `error` event (the status line has already gone out)."""
+        outcome = "client_disconnect"  # what a cancellation or early close means
+        try:
+            if out := self._annotated(self._start.first_chunk):
+                yield out
+            assert self._start.chunks is not None
+            async for chunk in self._start.chunks:
+                if out := self._annotated(chunk):
+                    yield out
+            if self._annotator is not None and (out := self._annotator.flush()):
+                yield out
+            outcome = str(self._start.response.status_code)
+        except httpx.HTTPError as exc:
+            outcome = "stream_error"
+            yield b"data: " + msgspec.json.encode(self._on_error(exc).body()) + b"\n\n"
+        finally:
+            await self.close(outcome)
+
+    def _annotated(self, chunk: bytes) -> bytes:
+        """`chunk`, with P's prefill-done time added to the next event once P has answered
+        (push mode, when it was not known in time for the header)."""
+        if self._annotator is None and not self.prefill_done_reported and self._p_task is not None:
+            done = _prefill_done_time(self._p_task)
+            if done is not None:
+                self._annotator = EventAnnotator({"prefill_done": done})
+                self.prefill_done_reported = True
+        return self._annotator.feed(chunk) if self._annotator is not None else chunk
+
+    async def close(self, outcome: str) -> None:
+        """Close D's response (aborting it on D if unfinished), then `finish`; idempotent,
+        and safe inside a cancelled scope."""
+        with anyio.CancelScope(shield=True):
+            await close_quietly(self._start.response)
+        self.finish(outcome)
+
+    def finish(self, outcome: str) -> None:
+        """Give back D and record the request, once."""
+        if self._finished:
+            return
+        self._finished = True
+        self._pool.release(self._d)
+        self._metrics.decode_leg.observe(time.monotonic() - self._start.sent)
+        self._metrics.requests.labels(self._mode, outcome).inc()
+        p = self._p_task
+        if p is not None and not p.done() and not outcome.startswith("2"):
+            p.cancel()
+
+
+class RelayStreamingResponse(StreamingResponse):
+    """A StreamingResponse that always closes its relay: also when the client vanished
+    while a send was blocked (Starlette then leaves the iterator suspended) or before the
+    iterator ever started (then its `finally` would never run)."""
+
+    def __init__(
+        self, relay: DecodeRelay, status: int, headers: dict[str, str], media_type: str | None
+    ) -> None:
+        self._relay = relay
+        self._chunks: AsyncGenerator[bytes, None] = relay.chunks()
+        super().__init__(self._chunks, status, headers, media_type or "text/event-stream")
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self._chunks.aclose()
+                await self._relay.close("client_disconnect")
+
+
+async def _read_until_started(chunks: AsyncIterator[bytes]) -> bytes:
+    """D's bytes up to and including its first substantive SSE event (see `sse`); the
+    iterator is left open for the relay."""
+    detector = StreamStartDetector()
+    held = []
+    async for chunk in chunks:
+        held.append(chunk)
+        if detector.feed(chunk):
+            break
+    return b"".join(held)
+
+
+def _prefill_done_time(p_task: asyncio.Task[PrefillResult]) -> float | None:
+    """P's prefill-done time if its leg has answered successfully, else None."""
+    if not p_task.done() or p_task.cancelled() or p_task.exception() is not None:
+        return None
+    return p_task.result().prefill_done_time
+
+
+def _no_instance(role: Role, need_push_info: bool = False) -> APIError:
+    detail = " with a known side channel (/kv/info)" if need_push_info else ""
+    return APIError(503, f"no healthy {role} instance{detail} is available")
+
+
+def _json_object(content: bytes) -> dict[str, Any]:
+    try:
+        value = msgspec.json.decode(content)
+    except msgspec.DecodeError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+async def close_quietly(response: httpx.Response) -> None:
+    """Close an upstream response; closing an unfinished stream aborts it upstream."""
+    try:
+        await response.aclose()
+    except Exception as exc:  # closing a broken connection must not mask the real outcome
+        log.debug("closing upstream response: %s", exc)
+
+
+async def cancel_and_wait(*tasks: asyncio.Task[Any]) -> None:
+    """Cancel tasks and wait until they have ended, consuming their outcomes."""
+    pending = [t for t in tasks if not t.done()]
+    for t in pending:
+        t.cancel()
+    if pending:
+        await asyncio.wait(pending)
+    for t in tasks:
+        if not t.cancelled():
+            t.exception()  # mark as retrieved: the error was already reported or is moot

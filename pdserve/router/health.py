@@ -1,0 +1,218 @@
+"""The router's view of its instances: admission by health checks, identity, load.
+
+`InstancePool` holds one `Instance` per configured URL. Every field of an `Instance` is
+written only on the router's event loop (by `HealthMonitor`'s tasks and by the dispatcher's
+acquire/release), so no locks are needed.
+
+Health: `/health` every `health_interval_s`; an instance is admitted (may be picked) after
+one success and ejected after `health_failures_to_eject` failures in a row. An instance
+never seen healthy is not admitted. Identity: `GET /kv/info` is fetched on admission and,
+for prefill instances in push mode, every round, so a restarted P (new incarnation) is
+noticed within a round instead of being sent stale side-channel coordinates. Load:
+`GET /load` every `load_interval_s` while the policy uses it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Literal
+
+import httpx
+import msgspec
+
+from pdserve.router.config import RouterConfig
+from pdserve.router.policy import Policy, make_policy
+from pdserve.transfer.params import InstanceInfo, InstanceLoad
+
+log = logging.getLogger(__name__)
+
+Role = Literal["prefill", "decode"]
+
+
+@dataclass(eq=False)
+class Instance:
+    """One prefill or decode instance. Owned and mutated by the router's event loop only."""
+
+    url: str
+    role: Role
+    admitted: bool = False
+    failures: int = 0  # consecutive failed health checks
+    outstanding: int = 0  # legs sent and not yet finished (the router's own count)
+    load: InstanceLoad | None = None
+    info: InstanceInfo | None = None
+    info_unsupported: bool = False  # /kv/info answered 404 (e.g. a vLLM instance)
+
+    @property
+    def can_receive_push(self) -> bool:
+        """A push D leg needs this P's engine id and side channel."""
+        i = self.info
+        return i is not None and i.side_channel_host is not None and i.side_channel_port is not None
+
+
+class InstancePool:
+    """The configured instances and one selection policy per role."""
+
+    def __init__(self, config: RouterConfig) -> None:
+        prefill = [Instance(u, "prefill") for u in config.prefill_urls]
+        decode = [Instance(u, "decode") for u in config.decode_urls]
+        self.instances: tuple[Instance, ...] = (*prefill, *decode)
+        self._policies: dict[Role, Policy] = {
+            "prefill": make_policy(config.policy),
+            "decode": make_policy(config.policy),
+        }
+        self.uses_load = self._policies["prefill"].uses_load
+
+    def by_role(self, role: Role) -> list[Instance]:
+        """Every configured instance of `role`, admitted or not."""
+        return [i for i in self.instances if i.role == role]
+
+    def admitted(self, role: Role) -> list[Instance]:
+        """The instances of `role` that may be picked now."""
+        return [i for i in self.instances if i.role == role and i.admitted]
+
+    def is_ready(self) -> bool:
+        """At least one admitted prefill and one admitted decode instance."""
+        return bool(self.admitted("prefill")) and bool(self.admitted("decode"))
+
+    def acquire(self, role: Role, *, need_push_info: bool = False) -> Instance | None:
+        """Pick an admitted instance and count a leg on it; the caller must `release` it."""
+        candidates = self.admitted(role)
+        if need_push_info:
+            candidates = [i for i in candidates if i.can_receive_push]
+        if not candidates:
+            return None
+        chosen = self._policies[role].pick(candidates)
+        chosen.outstanding += 1
+        return chosen
+
+    @staticmethod
+    def release(instance: Instance) -> None:
+        """A leg counted by `acquire` has ended."""
+        instance.outstanding -= 1
+
+
+class HealthMonitor:
+    """Background tasks keeping `InstancePool` current; started and stopped by the app."""
+
+    def __init__(self, pool: InstancePool, client: httpx.AsyncClient, config: RouterConfig) -> None:
+        self._pool = pool
+        self._client = client
+        self._config = config
+        self._tasks: list[asyncio.Task[None]] = []
+
+    async def start(self) -> None:
+        """One health round now (so instances already up are admitted at once), then loops."""
+        await self.check_all()
+        self._tasks.append(
+            asyncio.create_task(self._every(self._config.health_interval_s, self.check_all))
+        )
+        if self._pool.uses_load:
+            self._tasks.append(
+                asyncio.create_task(self._every(self._config.load_interval_s, self.poll_loads))
+            )
+
+    async def stop(self) -> None:
+        """Cancel the background loops and wait for them."""
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks.clear()
+
+    async def check_all(self) -> None:
+        """One health round over every instance (concurrently)."""
+        await asyncio.gather(*(self._check(i) for i in self._pool.instances))
+
+    async def poll_loads(self) -> None:
+        """Refresh `load` of every admitted instance; a failed poll clears it."""
+        await asyncio.gather(*(self._poll_load(i) for i in self._pool.instances if i.admitted))
+
+    @staticmethod
+    async def _every(interval: float, round_: Callable[[], Awaitable[None]]) -> None:
+        while True:
+            started = time.monotonic()
+            try:
+                await round_()
+            except Exception:  # a bug in one round must not stop health checking for good
+                log.exception("router background round failed")
+            await asyncio.sleep(max(0.0, interval - (time.monotonic() - started)))
+
+    async def _check(self, inst: Instance) -> None:
+        healthy = await self._probe(inst)
+        if healthy:
+            inst.failures = 0
+            if not inst.admitted:
+                log.info("%s instance %s is healthy: admitted", inst.role, inst.url)
+            inst.admitted = True
+        else:
+            inst.failures += 1
+            if inst.admitted and inst.failures >= self._config.health_failures_to_eject:
+                log.warning(
+                    "%s instance %s failed %d health checks: ejected",
+                    inst.role,
+                    inst.url,
+                    inst.failures,
+                )
+                inst.admitted = False
+                inst.info, inst.info_unsupported, inst.load = None, False, None
+        if inst.admitted and self._wants_info(inst):
+            await self._fetch_info(inst)
+
+    async def _probe(self, inst: Instance) -> bool:
+        try:
+            r = await self._client.get(f"{inst.url}/health", timeout=self._config.health_timeout_s)
+        except httpx.HTTPError:
+            return False
+        return r.status_code == 200
+
+    def _wants_info(self, inst: Instance) -> bool:
+        if inst.info_unsupported:
+            return False
+        push_prefill = self._config.kv_transfer == "push" and inst.role == "prefill"
+        return inst.info is None or push_prefill
+
+    async def _fetch_info(self, inst: Instance) -> None:
+        try:
+            r = await self._client.get(f"{inst.url}/kv/info", timeout=self._config.health_timeout_s)
+            if r.status_code == 404:
+                inst.info_unsupported = True
+                log.info("%s instance %s has no /kv/info", inst.role, inst.url)
+                return
+            r.raise_for_status()
+            info = msgspec.json.decode(r.content, type=InstanceInfo)
+        except (httpx.HTTPError, msgspec.DecodeError) as exc:
+            log.warning("cannot read /kv/info of %s: %s", inst.url, exc)
+            return
+        _log_identity_change(inst, info)
+        inst.info = info
+
+    async def _poll_load(self, inst: Instance) -> None:
+        try:
+            r = await self._client.get(f"{inst.url}/load", timeout=self._config.health_timeout_s)
+            r.raise_for_status()
+            inst.load = msgspec.json.decode(r.content, type=InstanceLoad)
+        except (httpx.HTTPError, msgspec.DecodeError):
+            inst.load = None
+
+
+def _log_identity_change(inst: Instance, info: InstanceInfo) -> None:
+    old = inst.info
+    if old is None:
+        if info.role not in (inst.role, "both"):
+            log.warning(
+                "%s is configured as %s but reports role %s", inst.url, inst.role, info.role
+            )
+        return
+    if old.incarnation != info.incarnation:
+        log.warning(
+            "%s instance %s restarted (incarnation %s -> %s): side channel %s:%s",
+            inst.role,
+            inst.url,
+            old.incarnation,
+            info.incarnation,
+            info.side_channel_host,
+            info.side_channel_port,
+        )

@@ -1,0 +1,100 @@
+"""`pdserve router`: run the OpenAI-compatible P/D router in front of running instances."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+
+import uvicorn
+
+from pdserve.router.app import create_app
+from pdserve.router.config import POLICY_NAMES, RouterConfig, normalize_url
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of `pdserve router` (one-to-one with `RouterConfig`)."""
+    parser.add_argument(
+        "--prefill",
+        nargs="+",
+        action="extend",
+        required=True,
+        metavar="URL",
+        help="prefill instance URL(s); repeat or list several",
+    )
+    parser.add_argument(
+        "--decode",
+        nargs="+",
+        action="extend",
+        required=True,
+        metavar="URL",
+        help="decode instance URL(s); repeat or list several",
+    )
+    parser.add_argument(
+        "--kv-transfer",
+        choices=("pull", "push"),
+        required=True,
+        help="pull: P then D, sequential; push: both legs at once",
+    )
+    parser.add_argument(
+        "--policy",
+        choices=POLICY_NAMES,
+        default="round_robin",
+        help="instance selection per role (default: %(default)s)",
+    )
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("PDSERVE_API_KEY"),
+        help="required from clients and sent to the instances (default: $PDSERVE_API_KEY)",
+    )
+    parser.add_argument(
+        "--request-timeout",
+        type=float,
+        default=300.0,
+        metavar="S",
+        help="bound on P's answer, D's first token and each gap in D's stream"
+        " (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--log-level", default="info", choices=("critical", "error", "warning", "info", "debug")
+    )
+    parser.add_argument("--access-log", action="store_true", help="log every HTTP request")
+
+
+def config_from_args(args: argparse.Namespace) -> RouterConfig:
+    """The `RouterConfig` of parsed `pdserve router` arguments."""
+    return RouterConfig(
+        prefill_urls=tuple(normalize_url(u) for u in args.prefill),
+        decode_urls=tuple(normalize_url(u) for u in args.decode),
+        kv_transfer=args.kv_transfer,
+        policy=args.policy,
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key or None,
+        request_timeout_s=args.request_timeout,
+    )
+
+
+def main(args: argparse.Namespace) -> int:
+    """Serve until interrupted."""
+    config = config_from_args(args)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    # httpx logs every request at INFO: each health probe and leg would be a line.
+    logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.root.level))
+    server = uvicorn.Server(
+        uvicorn.Config(
+            create_app(config),
+            host=config.host,
+            port=config.port,
+            log_level=args.log_level,
+            access_log=args.access_log,
+            # Open client streams must not hold a shutdown (Ctrl-C, `pdserve up` stopping) long.
+            timeout_graceful_shutdown=5,
+        )
+    )
+    server.run()
+    return 0

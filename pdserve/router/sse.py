@@ -1,0 +1,119 @@
+"""Finding where a decode stream really starts.
+
+An OpenAI-style stream may open with events that carry no token (a chat stream's
+`{"delta": {"role": "assistant"}}` head), sent before the decode instance has the KV. The
+router holds such events back and treats D as started at its first *substantive* event:
+one with text, a finish reason, an error, usage, or `[DONE]`. Until then a failing P leg
+can still cancel D and give the client a clean JSON error, and the handoff metric measures
+the real handoff.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+# A stream that sends this much without a substantive event is taken as started anyway.
+MAX_HELD_BYTES = 64 * 1024
+
+
+class StreamStartDetector:
+    """Fed D's raw bytes in order; `started` turns True at the first substantive event.
+    Owns only its scan buffer; the bytes themselves are kept by the caller."""
+
+    def __init__(self) -> None:
+        self._buffer = b""
+        self._held = 0
+        self.started = False
+
+    def feed(self, chunk: bytes) -> bool:
+        """Scan `chunk`; returns `started`."""
+        if self.started:
+            return True
+        self._held += len(chunk)
+        self._buffer += chunk.replace(b"\r\n", b"\n")
+        *events, self._buffer = self._buffer.split(b"\n\n")
+        self.started = self._held > MAX_HELD_BYTES or any(map(is_substantive, events))
+        return self.started
+
+
+def is_substantive(event: bytes) -> bool:
+    """Whether one SSE event (without its blank-line terminator) starts the answer."""
+    data = b"\n".join(line[5:].lstrip() for line in event.split(b"\n") if line.startswith(b"data:"))
+    if not data:
+        return False  # a comment or keep-alive
+    if data == b"[DONE]":
+        return True
+    try:
+        payload = msgspec.json.decode(data)
+    except msgspec.DecodeError:
+        return True  # not JSON we understand: do not hold it back
+    if not isinstance(payload, dict):
+        return True
+    if payload.get("error") is not None or payload.get("usage") is not None:
+        return True
+    choices = payload.get("choices")
+    return not isinstance(choices, list) or any(_choice_has_output(c) for c in choices)
+
+
+def _choice_has_output(choice: Any) -> bool:
+    if not isinstance(choice, dict):
+        return True
+    if choice.get("text") or choice.get("finish_reason"):
+        return True
+    delta = choice.get("delta")
+    # Anything in a chat delta but the role (content, tool calls, reasoning) is output.
+    return isinstance(delta, dict) and any(v for k, v in delta.items() if k != "role")
+
+
+class EventAnnotator:
+    """Adds `{"pdserve": note}` to the first JSON-object data event of a byte stream, then
+    passes bytes through untouched. Holds at most one incomplete event at a time."""
+
+    def __init__(self, note: dict[str, Any]) -> None:
+        self._note = note
+        self._held = b""
+        self.done = False
+
+    def feed(self, chunk: bytes) -> bytes:
+        """The bytes to send now (possibly none while an event is incomplete)."""
+        if self.done:
+            return chunk
+        self._held += chunk
+        out = []
+        while not self.done and (end := _event_end(self._held)) > 0:
+            event, self._held = self._held[:end], self._held[end:]
+            annotated = _annotate(event, self._note)
+            self.done = annotated is not None
+            out.append(annotated or event)
+        if self.done or len(self._held) > MAX_HELD_BYTES:
+            self.done = True  # give up rather than hold a stream we cannot parse
+            out.append(self._held)
+            self._held = b""
+        return b"".join(out)
+
+    def flush(self) -> bytes:
+        """What is still held at the end of the stream."""
+        held, self._held = self._held, b""
+        return held
+
+
+def _event_end(buffer: bytes) -> int:
+    """Index just past the first complete event in `buffer`, or 0."""
+    ends = [i + len(sep) for sep in (b"\n\n", b"\r\n\r\n") if (i := buffer.find(sep)) >= 0]
+    return min(ends, default=0)
+
+
+def _annotate(event: bytes, note: dict[str, Any]) -> bytes | None:
+    line = event.strip()
+    if not line.startswith(b"data:") or b"\n" in line:
+        return None
+    try:
+        payload = msgspec.json.decode(line[5:])
+    except msgspec.DecodeError:
+        return None
+    if not isinstance(payload, dict):
+        return None
+    payload["pdserve"] = note
+    return b"data: " + msgspec.json.encode(payload) + b"\n\n"

@@ -1,0 +1,250 @@
+"""`pdserve up` / `Cluster`: real processes (fake instances + the real router) by PID."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+from pdserve.launcher import (
+    Cluster,
+    ClusterConfig,
+    ClusterError,
+    InstanceSpec,
+    add_arguments,
+    assign_cores,
+    config_from_args,
+    serve_command,
+)
+
+pytestmark = pytest.mark.timeout(120)
+
+FAKE = Path(__file__).with_name("test_router_fake_instance.py")
+CORES = sorted(os.sched_getaffinity(0))
+
+
+def fake_command(spec: InstanceSpec) -> list[str]:
+    cmd = [sys.executable, str(FAKE), "--role", spec.role, "--port", str(spec.port)]
+    return cmd + (["--threads", str(spec.threads)] if spec.threads else [])
+
+
+def _gone(popen: subprocess.Popen[bytes]) -> bool:
+    return popen.returncode is not None
+
+
+def test_assign_cores_gives_each_instance_its_own_share() -> None:
+    assert assign_cores(2, [0, 1]) == [(0,), (1,)]
+    assert assign_cores(2, [4, 5, 6, 7, 8]) == [(4, 5), (6, 7)]
+    assert assign_cores(1, [0, 1]) == [(0, 1)]
+    assert assign_cores(3, [0, 1]) is None
+
+
+def test_serve_command_flags() -> None:
+    spec = InstanceSpec(
+        "decode",
+        0,
+        "127.0.0.1",
+        9001,
+        "push",
+        "nixl",
+        "builtin:tiny",
+        (1,),
+        ("--max-num-seqs", "8"),
+    )
+    cmd = serve_command(spec)
+    assert cmd[1:4] == ["-m", "pdserve", "serve"]
+    joined = " ".join(cmd)
+    for part in (
+        "--role decode",
+        "--kv-transfer push",
+        "--transport nixl",
+        "--model builtin:tiny",
+        "--port 9001",
+        "--threads 1",
+        "--max-num-seqs 8",
+    ):
+        assert part in joined
+    mono = InstanceSpec("both", 0, "127.0.0.1", 9002, None, "tcp", None, None, ("--threads", "4"))
+    mono_cmd = serve_command(mono)
+    assert "--kv-transfer" not in mono_cmd and "--role" not in mono_cmd
+    assert mono_cmd.count("--threads") == 1
+
+
+def test_up_arguments_map_to_config() -> None:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    argv = "--kv-transfer pull --prefill 2 --decode 3 --no-pin -- --max-num-seqs 8"
+    args = parser.parse_args(argv.split())
+    config = config_from_args(args)
+    assert (config.kv_transfer, config.num_prefill, config.num_decode) == ("pull", 2, 3)
+    assert config.instance_args == ("--max-num-seqs", "8") and not config.pin_cores
+    mono = config_from_args(parser.parse_args(["--monolithic"]))
+    assert mono.monolithic
+
+
+@pytest.mark.slow  # a 3-process cluster
+def test_cluster_starts_serves_and_stops_processes_by_pid(tmp_path: Path) -> None:
+    config = ClusterConfig(kv_transfer="push", log_dir=tmp_path, port=None, startup_timeout_s=60)
+    with Cluster(config, instance_command=fake_command) as cluster:
+        procs = cluster.processes
+        assert [p.role for p in procs] == ["prefill", "decode", "router"]
+        assert all(p.alive() for p in procs)
+        resp = httpx.post(
+            f"{cluster.router_url}/v1/completions",
+            timeout=30,
+            json={"model": "fake-model", "prompt": "hi", "max_tokens": 4, "stream": True},
+        )
+        assert resp.status_code == 200 and resp.text.endswith("data: [DONE]\n\n")
+        if len(CORES) >= 2:
+            p, d = cluster.instances
+            assert os.sched_getaffinity(p.pid) == {CORES[0]}
+            assert os.sched_getaffinity(d.pid) == {CORES[1]}
+            assert "--threads 1" in p.log_path.read_text().splitlines()[0]
+            assert cluster.check_pinning() == []
+            assert cluster.router is not None and cluster.router.cores is None
+    assert all(_gone(p.popen) for p in procs)
+    assert {f.name for f in tmp_path.iterdir()} == {"prefill-0.log", "decode-0.log", "router.log"}
+
+
+@pytest.mark.slow  # a 3-process cluster
+def test_cluster_notices_a_dead_child_and_stops_the_rest(tmp_path: Path) -> None:
+    config = ClusterConfig(kv_transfer="pull", log_dir=tmp_path, port=None, startup_timeout_s=60)
+    cluster = Cluster(config, instance_command=fake_command).start()
+    try:
+        victim = cluster.instances[1]
+        os.kill(victim.pid, signal.SIGKILL)
+        dead = cluster.wait(poll_s=0.05)
+        assert dead is victim and dead.popen.returncode == -signal.SIGKILL
+    finally:
+        cluster.stop()
+    assert all(_gone(p.popen) for p in cluster.processes)
+
+
+def test_start_failure_reports_the_log_tail_and_stops_everything(tmp_path: Path) -> None:
+    def crashing(spec: InstanceSpec) -> list[str]:
+        if spec.role == "decode":
+            return [sys.executable, "-c", "import sys; print('decode boom'); sys.exit(3)"]
+        return fake_command(spec)
+
+    cluster = Cluster(
+        ClusterConfig(kv_transfer="push", log_dir=tmp_path, port=None, startup_timeout_s=60),
+        instance_command=crashing,
+    )
+    with pytest.raises(ClusterError, match="decode-0") as info:
+        cluster.start()
+    assert "exited with code 3" in str(info.value) and "decode boom" in str(info.value)
+    assert cluster.processes and all(_gone(p.popen) for p in cluster.processes)
+
+
+def test_startup_timeout_is_bounded(tmp_path: Path) -> None:
+    def silent(spec: InstanceSpec) -> list[str]:
+        return [
+            sys.executable,
+            "-c",
+            "import time; print('loading...', flush=True); time.sleep(60)",
+        ]
+
+    cluster = Cluster(
+        ClusterConfig(
+            kv_transfer=None, log_dir=tmp_path, port=None, startup_timeout_s=1.0, stop_timeout_s=5
+        ),
+        instance_command=silent,
+    )
+    with pytest.raises(ClusterError, match="not healthy in time") as info:
+        cluster.start()
+    assert "loading..." in str(info.value)
+    assert all(_gone(p.popen) for p in cluster.processes)
+
+
+def test_monolithic_cluster_has_no_router(tmp_path: Path) -> None:
+    config = ClusterConfig(kv_transfer=None, log_dir=tmp_path, port=None, startup_timeout_s=60)
+    with Cluster(config, instance_command=fake_command) as cluster:
+        (inst,) = cluster.instances
+        assert cluster.router is None and cluster.router_url == inst.url
+        assert inst.role == "both"
+        assert httpx.get(f"{cluster.router_url}/health").status_code == 200
+        if len(CORES) >= 1:
+            assert os.sched_getaffinity(inst.pid) == set(CORES)
+    assert _gone(inst.popen)
+
+
+def _run_up(tmp_path: Path, *argv: str) -> tuple[subprocess.Popen[str], list[str]]:
+    """`pdserve up ARGV` in a subprocess with fake instances; returns once it is ready."""
+    script = (
+        "import sys; sys.path.insert(0, sys.argv[1]);"
+        "import pdserve.launcher as launcher, test_launcher_cluster as t;"
+        "launcher.serve_command = t.fake_command;"
+        "from pdserve.cli import main; sys.exit(main(sys.argv[2:]))"
+    )
+    cmd = [
+        sys.executable,
+        "-c",
+        script,
+        str(FAKE.parent),
+        "up",
+        *argv,
+        "--port",
+        "0",
+        "--log-dir",
+        str(tmp_path),
+    ]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    assert proc.stdout is not None
+    while not lines or "Ctrl-C stops everything" not in lines[-1]:
+        line = proc.stdout.readline()
+        if not line:
+            proc.wait(10)
+            raise AssertionError("pdserve up ended early:\n" + "".join(lines))
+        lines.append(line)
+    return proc, lines
+
+
+def _pids(lines: list[str]) -> dict[str, int]:
+    rows = [line.split() for line in lines if " pid " in line]
+    return {row[0]: int(row[row.index("pid") + 1]) for row in rows}
+
+
+def _assert_gone(pid: int) -> None:
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+
+
+@pytest.mark.slow  # a 3-process cluster
+def test_up_command_stops_everything_on_sigterm(tmp_path: Path) -> None:
+    proc, lines = _run_up(tmp_path, "--kv-transfer", "push")
+    try:
+        pids = _pids(lines)
+        assert set(pids) == {"prefill", "decode", "router"}
+        assert any(line.strip().startswith("URL") for line in lines)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    for pid in pids.values():
+        _assert_gone(pid)
+
+
+@pytest.mark.slow  # a 3-process cluster
+def test_up_command_stops_everything_when_a_child_dies(tmp_path: Path) -> None:
+    proc, lines = _run_up(tmp_path, "--kv-transfer", "pull")
+    try:
+        pids = _pids(lines)
+        os.kill(pids["prefill"], signal.SIGKILL)
+        assert proc.wait(30) == 1
+        out = proc.stdout.read() if proc.stdout else ""
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert "prefill-0" in out and "exited" in out
+    for pid in pids.values():
+        _assert_gone(pid)
