@@ -1,0 +1,292 @@
+"""`pdserve serve`: one instance (engine thread + OpenAI-compatible HTTP front end).
+
+Start-up order: bind the port (fails fast if it is taken, before minutes of model
+loading), load the model, start the engine thread, then serve HTTP. On SIGTERM/SIGINT
+uvicorn stops accepting connections and drains (up to `SHUTDOWN_GRACE_S`), then the engine
+thread is stopped and the command returns 0.
+
+This module is imported by `pdserve --help`, so it imports nothing heavy at module level.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import replace
+from types import FrameType
+from typing import TYPE_CHECKING, get_args
+
+from pdserve.config import (
+    CacheConfig,
+    Dtype,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+    ServerConfig,
+)
+
+if TYPE_CHECKING:
+    from pdserve.engine.async_engine import AsyncEngine
+
+log = logging.getLogger("pdserve.serve")
+
+API_KEY_ENV = "PDSERVE_API_KEY"
+SHUTDOWN_GRACE_S = 5.0  # in-flight requests get this long to finish on SIGTERM
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of `pdserve serve`; each maps onto one field of pdserve.config."""
+    mc, cc, sc, vc = ModelConfig(), CacheConfig(), SchedulerConfig(), ServerConfig()
+    model = parser.add_argument_group("model")
+    model.add_argument(
+        "--model",
+        default=mc.model,
+        help="'builtin:NAME' or a local Hugging Face model directory (default: %(default)s)",
+    )
+    model.add_argument(
+        "--dtype",
+        default=mc.dtype,
+        choices=get_args(Dtype),
+        help="weight dtype (default: %(default)s)",
+    )
+    model.add_argument("--device", default=mc.device, help="torch device (default: %(default)s)")
+    model.add_argument(
+        "--max-model-len",
+        type=_positive_int,
+        default=mc.max_model_len,
+        help="max tokens per request, prompt + output (default: the model's context length)",
+    )
+    model.add_argument(
+        "--seed",
+        type=int,
+        default=mc.seed,
+        help="sampling seed for requests without one (default: %(default)s)",
+    )
+    model.add_argument(
+        "--served-model-name",
+        default=vc.served_model_name,
+        help="model name in the API (default: derived from --model)",
+    )
+    cache = parser.add_argument_group("KV cache")
+    cache.add_argument(
+        "--kv-cache-memory",
+        type=_positive_float,
+        default=cc.kv_cache_memory_gib,
+        metavar="GIB",
+        help="GiB of memory for the paged KV cache; sets the number of blocks "
+        "(default: %(default)s)",
+    )
+    cache.add_argument(
+        "--num-kv-blocks",
+        type=_positive_int,
+        default=cc.num_blocks,
+        help="exact number of KV blocks (overrides --kv-cache-memory)",
+    )
+    cache.add_argument(
+        "--block-size",
+        type=_positive_int,
+        default=cc.block_size,
+        help="tokens per KV block (default: %(default)s)",
+    )
+    sched = parser.add_argument_group("scheduler")
+    sched.add_argument(
+        "--max-num-batched-tokens",
+        type=_positive_int,
+        default=sc.max_num_batched_tokens,
+        help="token budget of one engine step (prefill chunks + decodes) (default: %(default)s)",
+    )
+    sched.add_argument(
+        "--max-num-seqs",
+        type=_positive_int,
+        default=sc.max_num_seqs,
+        help="max requests running at once (default: %(default)s)",
+    )
+    sched.add_argument(
+        "--max-prefill-chunk",
+        type=_positive_int,
+        default=sc.max_prefill_chunk,
+        help="max prompt tokens of one request per step (default: the step's token budget)",
+    )
+    sched.add_argument(
+        "--threads",
+        type=_positive_int,
+        default=None,
+        help="torch intra-op threads (default: torch's choice)",
+    )
+    http = parser.add_argument_group("HTTP")
+    http.add_argument("--host", default=vc.host, help="address to listen on (default: %(default)s)")
+    http.add_argument(
+        "--port",
+        type=_port,
+        default=vc.port,
+        help="port to listen on (0: any free port) (default: %(default)s)",
+    )
+    http.add_argument(
+        "--api-key",
+        default=os.environ.get(API_KEY_ENV) or None,
+        help=f"require 'Authorization: Bearer KEY' on /v1/* (default: ${API_KEY_ENV}, "
+        "unset: no key)",
+    )
+    http.add_argument(
+        "--log-level",
+        default="info",
+        choices=LOG_LEVELS,
+        help="log verbosity (default: %(default)s)",
+    )
+    parser.epilog = (
+        "Requests: /v1/completions defaults to max_tokens=16; /v1/chat/completions without "
+        "max_tokens may generate up to the rest of the context. Extensions to OpenAI's "
+        "parameters: top_k, ignore_eos, stop_token_ids, kv_transfer_params."
+    )
+
+
+def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerConfig]:
+    """The frozen configs described by the parsed flags."""
+    model = replace(
+        ModelConfig(),
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        max_model_len=args.max_model_len,
+        seed=args.seed,
+    )
+    cache = CacheConfig(
+        block_size=args.block_size,
+        kv_cache_memory_gib=args.kv_cache_memory,
+        num_blocks=args.num_kv_blocks,
+    )
+    sched = SchedulerConfig(
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+        max_prefill_chunk=args.max_prefill_chunk,
+    )
+    engine = EngineConfig(model=model, cache=cache, scheduler=sched, threads=args.threads)
+    server = ServerConfig(
+        host=args.host,
+        port=args.port,
+        served_model_name=args.served_model_name,
+        api_key=args.api_key,
+    )
+    return engine, server
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run one instance until SIGTERM/SIGINT; returns the exit status."""
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    engine_cfg, server_cfg = configs_from_args(args)
+    try:
+        sock = _bind(server_cfg.host, server_cfg.port)
+    except OSError as exc:
+        log.error("cannot listen on %s:%d: %s", server_cfg.host, server_cfg.port, exc)
+        return 1
+    from pdserve.engine.async_engine import AsyncEngine  # torch: imported once the port is ours
+    from pdserve.engine.engine import LLMEngine
+
+    with sock:
+        log.info("loading %s", engine_cfg.model.model)
+        async_engine = AsyncEngine(LLMEngine.from_config(engine_cfg))
+        async_engine.start()
+        try:
+            _serve_http(async_engine, server_cfg, sock, args.log_level)
+        finally:
+            async_engine.shutdown()
+            log.info("engine stopped")
+    return 0
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port but not listening yet: until the model is loaded,
+    connections are refused (health probes fail fast) instead of queueing."""
+    info = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    family, kind, proto, _, address = info[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def _serve_http(
+    async_engine: AsyncEngine, cfg: ServerConfig, sock: socket.socket, log_level: str
+) -> None:
+    """Serve the app on `sock` until SIGTERM/SIGINT, then return normally.
+
+    Shutdown: stop accepting, let running requests finish for `SHUTDOWN_GRACE_S`, then stop
+    the engine so the rest end with an explicit error (503 / an SSE error event) instead
+    of a cut connection. Stock uvicorn also re-raises the signal at the end, which would
+    kill the process before the engine is shut down; this server returns instead.
+    """
+    import uvicorn
+
+    from pdserve.server.app import create_app
+
+    class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            with _handled_signals(self.handle_exit):
+                yield
+
+        async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+            drain = asyncio.ensure_future(super().shutdown(sockets))
+            await asyncio.wait({drain}, timeout=SHUTDOWN_GRACE_S)
+            if not drain.done():
+                log.warning("aborting the requests still running after %.0f s", SHUTDOWN_GRACE_S)
+                await asyncio.to_thread(async_engine.shutdown)
+            await drain
+
+    app = create_app(async_engine, cfg)
+    # uvicorn's own deadline (it cancels handlers) only backs up the engine abort above.
+    config = uvicorn.Config(
+        app, log_level=log_level, timeout_graceful_shutdown=SHUTDOWN_GRACE_S + 5
+    )
+    host, port = sock.getsockname()[:2]
+    url_host = f"[{host}]" if ":" in host else host
+    log.info("serving %s at http://%s:%d/v1", app.state.serving.model_name, url_host, port)
+    Server(config).run(sockets=[sock])
+
+
+@contextlib.contextmanager
+def _handled_signals(handler: Callable[[int, FrameType | None], None]) -> Iterator[None]:
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signal handlers can only be set from the main thread
+        return
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    return value
+
+
+def _port(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be in 0-65535, got {value}")
+    return value

@@ -1,0 +1,354 @@
+"""Between a parsed OpenAI request and the engine: validation against the model, submission,
+and the stream of engine outputs (response bodies are built in responses.py).
+
+The engine checks nothing about HTTP, so everything a client can get wrong is checked here,
+before submission: model name, unsupported options, prompt tokens inside the vocabulary,
+prompt and `max_tokens` inside the per-request capacity. What reaches the engine can run.
+
+Defaults (documented in `--help` of `pdserve serve` too):
+- `max_tokens` of /v1/completions: 16 (OpenAI's default), clamped to the room left.
+- `max_tokens` of /v1/chat/completions: the room left (`capacity - prompt tokens`).
+- capacity of one request: min(max model length, KV-cache blocks x block size), since a
+  request longer than the whole KV cache could never be scheduled.
+
+Ownership: a request's KV blocks belong to the engine thread. This module only holds the
+async generator returned by `AsyncEngine.generate`; closing it (done by `aclosing` on every
+path: normal end, error, client disconnect, cancellation) aborts the request, which is how
+the engine gets its blocks back when a client goes away.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Sequence
+from contextlib import aclosing
+from dataclasses import dataclass
+from http import HTTPStatus
+from typing import TYPE_CHECKING, Any, Protocol
+
+import msgspec
+
+from pdserve.engine.async_engine import AsyncEngine, EngineDeadError
+from pdserve.engine.types import EngineRequest, FinishReason, RequestOutput, SamplingParams
+from pdserve.server.errors import APIError, bad_request
+from pdserve.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+    SamplingFields,
+)
+from pdserve.transfer.params import InvalidKVTransferParams, parse_kv_transfer_params
+
+if TYPE_CHECKING:
+    from pdserve.server.metrics import RequestTimer, ServerMetrics
+
+COMPLETION_DEFAULT_MAX_TOKENS = 16
+
+
+class Tokenizer(Protocol):
+    """What the server needs from `pdserve.model.tokenizer.Tokenizer`."""
+
+    vocab_size: int
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> str: ...
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Per-request token limits of this instance."""
+
+    max_model_len: int
+    capacity: int  # tokens one request may hold: prompt + output
+    vocab_size: int
+
+
+@dataclass
+class Generation:
+    """The whole result of one non-streamed request."""
+
+    text: str
+    finish_reason: FinishReason
+    num_output_tokens: int
+    error: str | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+
+
+class OpenAIServing:
+    """Validates requests against the model and drives them through the `AsyncEngine`."""
+
+    def __init__(self, engine: AsyncEngine, served_model_name: str, metrics: ServerMetrics):
+        self.engine = engine
+        self.model_name = served_model_name
+        self.metrics = metrics
+        llm = engine.engine
+        self.tokenizer: Tokenizer = llm.tokenizer
+        stats = engine.stats()
+        block_size = llm.cfg.cache.block_size
+        self.limits = Limits(
+            max_model_len=llm.max_model_len,
+            capacity=min(llm.max_model_len, stats.kv_blocks_total * block_size),
+            vocab_size=self.tokenizer.vocab_size,
+        )
+
+    def models(self) -> ModelList:
+        return ModelList(
+            data=[ModelCard(id=self.model_name, max_model_len=self.limits.max_model_len)]
+        )
+
+    # -- validation ------------------------------------------------------------------------
+    def check_model(self, requested: str | None) -> None:
+        if requested is not None and requested != self.model_name:
+            raise APIError(
+                HTTPStatus.NOT_FOUND,
+                f"The model {requested!r} does not exist; this server serves {self.model_name!r}.",
+                param="model",
+                code="model_not_found",
+            )
+
+    def check_alive(self) -> None:
+        if not self.engine.is_alive:
+            why = f"it failed: {self.engine.error!r}" if self.engine.error else "shut down"
+            raise APIError(
+                HTTPStatus.SERVICE_UNAVAILABLE,
+                f"The engine is not running ({why}).",
+                code="engine_dead",
+            )
+
+    def completion_prompt(self, req: CompletionRequest) -> list[int]:
+        _check_completion_options(req)
+        prompt = req.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+            if len(prompt) != 1:
+                raise bad_request(
+                    f"Batched prompts are not supported ({len(prompt)} given); send one "
+                    "prompt per request.",
+                    param="prompt",
+                )
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt) if prompt else []
+        else:
+            ids = list(prompt)
+            self.check_vocab(ids, "prompt")
+        if not ids:
+            raise bad_request("The prompt is empty.", param="prompt")
+        return ids
+
+    def chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
+        _check_chat_options(req)
+        messages = [{"role": _template_role(m.role), "content": m.text()} for m in req.messages]
+        try:
+            rendered = self.tokenizer.apply_chat_template(messages)
+        except ValueError as exc:  # no template, or raise_exception() for a bad role order
+            msg = f"The chat template rejected the messages: {exc}"
+            raise bad_request(msg, param="messages") from exc
+        # The rendered prompt already holds its special tokens (BOS included).
+        ids = self.tokenizer.encode(rendered, add_special_tokens=False)
+        if not ids:
+            raise bad_request("The messages render to an empty prompt.", param="messages")
+        return ids
+
+    def check_vocab(self, ids: Sequence[int], param: str) -> None:
+        bad = [t for t in ids if not 0 <= t < self.limits.vocab_size]
+        if bad:
+            raise bad_request(
+                f"Token id {bad[0]} is outside the vocabulary [0, {self.limits.vocab_size}).",
+                param=param,
+            )
+
+    def max_tokens(self, requested: int | None, default: int | None, num_prompt: int) -> int:
+        """`requested` if it fits; else the default clamped to the room left."""
+        lim = self.limits
+        room = lim.capacity - num_prompt
+        if room < 1:
+            raise bad_request(
+                f"The prompt has {num_prompt} tokens; {self._capacity_text()} leaves no room "
+                "for output.",
+                param="prompt",
+                code="context_length_exceeded",
+            )
+        if requested is None:
+            return room if default is None else min(default, room)
+        if requested > room:
+            raise bad_request(
+                f"prompt ({num_prompt} tokens) + max_tokens ({requested}) exceeds "
+                f"{self._capacity_text()}; max_tokens can be at most {room}.",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
+        return requested
+
+    def _capacity_text(self) -> str:
+        lim = self.limits
+        if lim.capacity < lim.max_model_len:
+            return f"the KV cache's capacity of {lim.capacity} tokens per request"
+        return f"the maximum model length of {lim.max_model_len} tokens"
+
+    def sampling_params(self, req: SamplingFields, max_tokens: int) -> SamplingParams:
+        stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+        stop_ids = list(req.stop_token_ids or [])
+        self.check_vocab(stop_ids, "stop_token_ids")
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=max(req.top_k or 0, 0),  # -1 (vLLM's "disabled") and 0 both disable it
+            seed=req.seed,
+            stop=tuple(stop),
+            stop_token_ids=tuple(stop_ids),
+            ignore_eos=req.ignore_eos,
+        )
+
+    # -- running ---------------------------------------------------------------------------
+    async def stream(
+        self, request: EngineRequest, timer: RequestTimer
+    ) -> AsyncIterator[RequestOutput]:
+        """The engine's outputs for `request`, up to the finished one.
+
+        Raises APIError before the first output if the request cannot be submitted (engine
+        dead, request id in use). Closing this iterator early aborts the request.
+        """
+        self.check_alive()
+        reason = "abort"
+        try:
+            async with aclosing(self.engine.generate(request)) as outputs:
+                out: RequestOutput | None = await _first(outputs)
+                while out is not None:
+                    timer.tokens(len(out.new_token_ids))
+                    if out.finished:
+                        reason = (out.finish_reason or FinishReason.ERROR).value
+                    yield out
+                    out = None if out.finished else await anext(outputs, None)
+        finally:
+            timer.finish(reason)
+
+    async def generate(self, request: EngineRequest, timer: RequestTimer) -> Generation:
+        """Run `request` to the end and return its whole output."""
+        parts: list[str] = []
+        n = 0
+        async with aclosing(self.stream(request, timer)) as outputs:
+            async for out in outputs:
+                parts.append(out.new_text)
+                n += len(out.new_token_ids)
+                if out.finished:
+                    return Generation(
+                        text="".join(parts),
+                        finish_reason=out.finish_reason or FinishReason.ERROR,
+                        num_output_tokens=n,
+                        error=out.error,
+                        kv_transfer_params=kv_transfer_params_of(out),
+                    )
+        return Generation("".join(parts), FinishReason.ABORT, n, error="the stream ended early")
+
+
+async def _first(outputs: AsyncIterator[RequestOutput]) -> RequestOutput | None:
+    """The first output; submission errors become API errors."""
+    try:
+        return await anext(outputs, None)
+    except EngineDeadError as exc:
+        raise APIError(HTTPStatus.SERVICE_UNAVAILABLE, str(exc), code="engine_dead") from exc
+    except ValueError as exc:  # AsyncEngine: the request id is in use (X-Request-Id reused)
+        raise APIError(HTTPStatus.CONFLICT, str(exc), param="X-Request-Id") from exc
+
+
+def build_engine_request(
+    request_id: str,
+    prompt_ids: list[int],
+    params: SamplingParams,
+    kv_transfer_params: dict[str, Any] | None,
+) -> EngineRequest:
+    """The request the engine runs.
+
+    P/D HOOK (kv_transfer_params): the body's `kv_transfer_params` is parsed and checked
+    here (a malformed one is the client's 400) and handed to the engine as typed params;
+    what the engine does with them is the connector's business.
+    """
+    kv_transfer = None
+    if kv_transfer_params is not None:
+        try:
+            kv_transfer = parse_kv_transfer_params(kv_transfer_params)
+        except InvalidKVTransferParams as exc:
+            raise bad_request(str(exc), param="kv_transfer_params") from exc
+    return EngineRequest(
+        request_id=request_id,
+        prompt_token_ids=prompt_ids,
+        params=params,
+        arrival_time=time.time(),
+        kv_transfer=kv_transfer,
+    )
+
+
+def kv_transfer_params_of(out: RequestOutput) -> dict[str, Any] | None:
+    """P/D HOOK: the engine's `kv_transfer_params` of a final output, as JSON-ready data."""
+    if out.kv_transfer_params is None:
+        return None
+    return msgspec.to_builtins(out.kv_transfer_params)
+
+
+def finish_error(gen_error: str | None, reason: FinishReason, engine_alive: bool) -> APIError:
+    """The server-side error for a generation that ended in ERROR or ABORT."""
+    if not engine_alive:
+        return APIError(
+            HTTPStatus.SERVICE_UNAVAILABLE,
+            f"The engine stopped: {gen_error or 'unknown error'}",
+            code="engine_dead",
+        )
+    if reason is FinishReason.ABORT:
+        return APIError(
+            HTTPStatus.SERVICE_UNAVAILABLE,
+            f"The request was aborted: {gen_error or 'aborted'}",
+            code="request_aborted",
+        )
+    return APIError(
+        HTTPStatus.INTERNAL_SERVER_ERROR,
+        f"The engine failed the request: {gen_error or 'unknown error'}",
+        code="engine_error",
+    )
+
+
+def _template_role(role: str) -> str:
+    # Chat templates of open models know system/user/assistant/tool; OpenAI's newer
+    # "developer" role means what "system" means to them.
+    return "system" if role == "developer" else role
+
+
+def _unsupported(param: str, what: str) -> APIError:
+    return bad_request(f"{what} is not supported by this server.", param=param)
+
+
+def _check_common_options(req: SamplingFields) -> None:
+    if req.n != 1:
+        raise _unsupported("n", f"n={req.n} (only n=1)")
+    if req.presence_penalty:
+        raise _unsupported("presence_penalty", "presence_penalty")
+    if req.frequency_penalty:
+        raise _unsupported("frequency_penalty", "frequency_penalty")
+    if req.logit_bias:
+        raise _unsupported("logit_bias", "logit_bias")
+    if req.stream_options is not None and not req.stream:
+        raise bad_request("stream_options is only allowed with stream=true.", "stream_options")
+
+
+def _check_completion_options(req: CompletionRequest) -> None:
+    _check_common_options(req)
+    if req.logprobs is not None:
+        raise _unsupported("logprobs", "logprobs")
+    if req.echo:
+        raise _unsupported("echo", "echo")
+    if req.suffix:
+        raise _unsupported("suffix", "suffix")
+    if req.best_of not in (None, 1):
+        raise _unsupported("best_of", f"best_of={req.best_of}")
+
+
+def _check_chat_options(req: ChatCompletionRequest) -> None:
+    _check_common_options(req)
+    if req.logprobs or req.top_logprobs is not None:
+        raise _unsupported("logprobs", "logprobs")
+    if req.tools or req.tool_choice not in (None, "none"):
+        raise _unsupported("tools", "Tool calling")
+    if req.response_format and req.response_format.get("type") != "text":
+        raise _unsupported("response_format", "response_format other than text")

@@ -1,0 +1,149 @@
+"""Start real `pdserve` processes from tests, wait until they are healthy, stop them by PID.
+
+    with PdserveProcess(["serve", "--model", "builtin:tiny"]) as p:
+        httpx.get(f"{p.url}/health")
+
+Each process binds 127.0.0.1 on a free port (appended as `--host/--port` unless the caller
+passes `port_args=False` and its own flags), logs to a file (a pipe could fill up and block
+the child), and is stopped with SIGTERM, then SIGKILL after `grace_s`. A process that dies
+or does not become healthy within `startup_timeout_s` raises `ProcessFailed` with the tail
+of its log. Several processes (P/D clusters) are just several context managers, e.g. in
+a `contextlib.ExitStack`; `free_port()` reserves extra ports for side channels.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from types import TracebackType
+
+import httpx
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+HOST = "127.0.0.1"
+_LOG_TAIL_CHARS = 6000
+
+
+class ProcessFailed(RuntimeError):
+    """The process exited early or did not become healthy in time."""
+
+
+def free_port() -> int:
+    """A port that was free a moment ago on 127.0.0.1 (the OS picks it)."""
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+class PdserveProcess:
+    """One `python -m pdserve ARGS...` child process, owned by the test that starts it."""
+
+    def __init__(
+        self,
+        args: Sequence[str],
+        *,
+        port: int | None = None,
+        port_args: bool = True,
+        health_path: str = "/health",
+        startup_timeout_s: float = 120.0,
+        grace_s: float = 10.0,
+        env: Mapping[str, str] | None = None,
+    ) -> None:
+        self.port = port or free_port()
+        self.url = f"http://{HOST}:{self.port}"
+        self.args = [*args, *(["--host", HOST, "--port", str(self.port)] if port_args else [])]
+        self.health_path = health_path
+        self.startup_timeout_s = startup_timeout_s
+        self.grace_s = grace_s
+        self.env = {**os.environ, **(env or {})}
+        self.log_path = Path(tempfile.mkstemp(prefix="pdserve-", suffix=".log")[1])
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def pid(self) -> int:
+        if self._proc is None:
+            raise RuntimeError("process not started")
+        return self._proc.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return None if self._proc is None else self._proc.poll()
+
+    def start(self) -> PdserveProcess:
+        """Start the process and wait until `health_path` answers 200."""
+        if self._proc is not None:
+            raise RuntimeError(f"{self} was already started")
+        cmd = [sys.executable, "-m", "pdserve", *self.args]
+        with open(self.log_path, "wb") as log:
+            self._proc = subprocess.Popen(
+                cmd, cwd=REPO_ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT
+            )
+        try:
+            self.wait_healthy()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def wait_healthy(self) -> None:
+        """Poll the health endpoint until 200; ProcessFailed (with the log) otherwise."""
+        deadline = time.monotonic() + self.startup_timeout_s
+        while time.monotonic() < deadline:
+            if self.returncode is not None:
+                raise ProcessFailed(f"{self} exited with code {self.returncode}\n{self.log()}")
+            try:
+                if httpx.get(self.url + self.health_path, timeout=2.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise ProcessFailed(
+            f"{self} not healthy after {self.startup_timeout_s:.0f} s\n{self.log()}"
+        )
+
+    def stop(self) -> int | None:
+        """SIGTERM, then SIGKILL after `grace_s`; returns the exit code (idempotent)."""
+        if self._proc is None:
+            return None
+        if self._proc.poll() is None:
+            os.kill(self._proc.pid, signal.SIGTERM)
+            try:
+                self._proc.wait(self.grace_s)
+            except subprocess.TimeoutExpired:
+                os.kill(self._proc.pid, signal.SIGKILL)
+                self._proc.wait()
+        return self._proc.returncode
+
+    def log(self) -> str:
+        """The tail of the process's combined stdout/stderr."""
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return "(no log)"
+        return text[-_LOG_TAIL_CHARS:]
+
+    def __enter__(self) -> PdserveProcess:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+        if exc is None:
+            self.log_path.unlink(missing_ok=True)
+        else:
+            sys.stderr.write(f"--- log of {self} ({self.log_path}) ---\n{self.log()}\n")
+
+    def __repr__(self) -> str:
+        pid = self._proc.pid if self._proc else None
+        return f"PdserveProcess(pdserve {' '.join(self.args)}, pid={pid})"
