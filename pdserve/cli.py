@@ -28,40 +28,34 @@ BENCH_COMMANDS: tuple[tuple[str, str, str], ...] = (
 )
 
 
-def _add(sub: argparse._SubParsersAction, name: str, module: str, help_: str) -> None:
+def _add(sub: argparse._SubParsersAction, name: str, module: str, help_: str, load: bool) -> None:
     parser = sub.add_parser(name, help=help_, description=help_)
     parser.set_defaults(_module=module)
-    try:
+    if load:  # only the chosen command's module is imported (fast --help, isolated failures)
         importlib.import_module(module).add_arguments(parser)
-    except ModuleNotFoundError as exc:
-        if not exc.name or not exc.name.startswith("pdserve"):
-            raise
-        parser.set_defaults(_missing=f"'{name}' is not available in this build ({exc.name})")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The full parser, with every available subcommand."""
+def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
+    """The parser; the subcommand named in `argv` gets its full set of flags."""
+    words = [a for a in argv if not a.startswith("-")]
     parser = argparse.ArgumentParser(
         prog="pdserve",
         description="Prefill/decode disaggregated LLM serving with push-based KV transfer.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, module, help_ in COMMANDS:
-        _add(sub, name, module, help_)
+        _add(sub, name, module, help_, load=words[:1] == [name])
     bench = sub.add_parser("bench", help="benchmarks", description="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", metavar="BENCH", required=True)
     for name, module, help_ in BENCH_COMMANDS:
-        _add(bench_sub, name, module, help_)
+        _add(bench_sub, name, module, help_, load=words[:2] == ["bench", name])
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `pdserve` console script."""
-    args = build_parser().parse_args(argv)
-    missing = getattr(args, "_missing", None)
-    if missing:
-        print(f"pdserve: {missing}", file=sys.stderr)
-        return 2
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser(argv).parse_args(argv)
     return int(importlib.import_module(args._module).main(args) or 0)
 
 

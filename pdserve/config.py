@@ -6,6 +6,7 @@ CLI flags map one-to-one onto these fields; `pdserve.cli` builds them and hands 
 from __future__ import annotations
 
 import os
+import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -84,3 +85,25 @@ class TransportConfig:
     cluster_token: str | None = None
     timeout_s: float = 10.0  # a pending transfer to a dead peer errors after this
     nixl_backend: Literal["UCX", "LIBFABRIC"] = "UCX"
+
+
+@dataclass(frozen=True)
+class ConnectorConfig:
+    """P/D transfer settings of one instance (its KV connector)."""
+
+    role: str  # "prefill" | "decode" | "both"
+    mode: str  # "pull" | "push"
+    engine_id: str
+    incarnation: str = field(default_factory=lambda: secrets.token_hex(6))
+    side_host: str = "127.0.0.1"
+    side_port: int = 0
+    cluster_token: str | None = None
+    lease_s: float = 30.0  # P holds finished blocks at most this long
+    recv_timeout_s: float = 30.0  # D waits at most this long for the KV (watchdog)
+    quarantine_s: float = 60.0  # D keeps fenced blocks at most this long
+    handshake_timeout_s: float = 10.0
+    registration_ttl_s: float = 30.0  # P drops a registration nobody claims after this
+    # Tests force an arrival order with these: D delays its registration; P delays handing
+    # a finished prompt to the writer.
+    push_register_delay_s: float = 0.0
+    push_finish_delay_s: float = 0.0

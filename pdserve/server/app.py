@@ -31,6 +31,7 @@ from pdserve.config import ServerConfig
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.types import EngineRequest, FinishReason, RequestOutput
 from pdserve.server.errors import APIError, bad_request, install_error_handlers
+from pdserve.server.kv_routes import kv_routes
 from pdserve.server.metrics import RequestCountMiddleware, ServerMetrics
 from pdserve.server.protocol import ChatCompletionRequest, CompletionRequest, ModelList
 from pdserve.server.responses import ChatFormat, CompletionFormat, ResponseFormat
@@ -41,6 +42,7 @@ from pdserve.server.serving import (
     finish_error,
     kv_transfer_params_of,
 )
+from pdserve.transfer.metrics import ConnectorCollector
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +70,9 @@ def create_app(async_engine: AsyncEngine, cfg: ServerConfig) -> FastAPI:
     )
     app.include_router(_api_routes(serving, cfg.api_key))
     app.include_router(_ops_routes(serving, metrics))
+    app.include_router(kv_routes(async_engine))
+    if async_engine.engine.connector is not None:
+        metrics.registry.register(ConnectorCollector(async_engine.engine.connector))
     return app
 
 
@@ -201,7 +206,9 @@ async def _sse_events(
                 if reason in (FinishReason.ERROR, FinishReason.ABORT):
                     yield _sse(finish_error(out.error, reason, serving.engine.is_alive).body())
                     break
-                if out.new_text or reason is not None:
+                # One chunk per step with tokens, even when they end mid-character, so that
+                # clients measure inter-token latency per token (as vLLM does).
+                if out.new_token_ids or out.new_text or reason is not None:
                     kv = kv_transfer_params_of(out) if reason else None
                     yield _sse(fmt.chunk(out.new_text, reason, kv))
             else:

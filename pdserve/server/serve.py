@@ -31,6 +31,7 @@ from pdserve.config import (
     SchedulerConfig,
     ServerConfig,
 )
+from pdserve.transfer.factory import add_transfer_arguments
 
 if TYPE_CHECKING:
     from pdserve.engine.async_engine import AsyncEngine
@@ -146,6 +147,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "max_tokens may generate up to the rest of the context. Extensions to OpenAI's "
         "parameters: top_k, ignore_eos, stop_token_ids, kv_transfer_params."
     )
+    add_transfer_arguments(parser)
 
 
 def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerConfig]:
@@ -191,10 +193,17 @@ def main(args: argparse.Namespace) -> int:
         return 1
     from pdserve.engine.async_engine import AsyncEngine  # torch: imported once the port is ours
     from pdserve.engine.engine import LLMEngine
+    from pdserve.transfer.factory import make_connector_factory
+    from pdserve.transfer.transport import BackendUnavailableError
 
     with sock:
         log.info("loading %s", engine_cfg.model.model)
-        async_engine = AsyncEngine(LLMEngine.from_config(engine_cfg))
+        try:
+            engine = LLMEngine.from_config(engine_cfg, make_connector_factory(args))
+        except BackendUnavailableError as exc:
+            log.error("%s", exc)
+            return 2
+        async_engine = AsyncEngine(engine)
         async_engine.start()
         try:
             _serve_http(async_engine, server_cfg, sock, args.log_level)

@@ -41,15 +41,15 @@ from __future__ import annotations
 
 import logging
 import queue
-import secrets
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import msgspec
 
+from pdserve.config import ConnectorConfig
 from pdserve.engine.request import Request
 from pdserve.kv.block_pool import BlockPool
 from pdserve.kv.cache import KVCache
@@ -62,28 +62,6 @@ if TYPE_CHECKING:
     from pdserve.transfer.transport import Transport
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class ConnectorConfig:
-    """P/D transfer settings of one instance."""
-
-    role: str  # "prefill" | "decode" | "both"
-    mode: str  # "pull" | "push"
-    engine_id: str
-    incarnation: str = field(default_factory=lambda: secrets.token_hex(6))
-    side_host: str = "127.0.0.1"
-    side_port: int = 0
-    cluster_token: str | None = None
-    lease_s: float = 30.0  # P holds finished blocks at most this long
-    recv_timeout_s: float = 30.0  # D waits at most this long for the KV (watchdog)
-    quarantine_s: float = 60.0  # D keeps fenced blocks at most this long
-    handshake_timeout_s: float = 10.0
-    registration_ttl_s: float = 30.0  # P drops a registration nobody claims after this
-    # Tests force an arrival order with these: D delays its registration; P delays handing
-    # a finished prompt to the writer.
-    push_register_delay_s: float = 0.0
-    push_finish_delay_s: float = 0.0
 
 
 class KVReady(msgspec.Struct, frozen=True):
@@ -162,6 +140,7 @@ class KVConnector:
         self.pool = pool
         self.compat = compat
         self.transport = transport
+        self.transport_kind = transport.kind
         self.wake: Callable[[], None] = lambda: None  # set by the engine driver
         self._events: queue.SimpleQueue[object] = queue.SimpleQueue()
         self._peers: dict[str, Peer] = {}  # engine id -> peer

@@ -9,13 +9,16 @@ from __future__ import annotations
 import argparse
 import os
 import secrets
+from typing import TYPE_CHECKING
 
-from pdserve.config import TransportConfig
-from pdserve.kv.block_pool import BlockPool
-from pdserve.kv.cache import KVCache
-from pdserve.model.loader import LoadedModel
-from pdserve.transfer.connector import ConnectorConfig, KVConnector
+from pdserve.config import ConnectorConfig, TransportConfig
 from pdserve.transfer.messages import Compat
+
+if TYPE_CHECKING:
+    from pdserve.kv.block_pool import BlockPool
+    from pdserve.kv.cache import KVCache
+    from pdserve.model.loader import LoadedModel
+    from pdserve.transfer.connector import KVConnector
 
 
 def add_transfer_arguments(parser: argparse.ArgumentParser) -> None:

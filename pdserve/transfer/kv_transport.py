@@ -30,8 +30,9 @@ Pairs = list[tuple[int, int]]
 class KVTransport:
     """A transport bound to one instance's KV cache region."""
 
-    def __init__(self, transport: Transport, kv: KVCache) -> None:
+    def __init__(self, transport: Transport, kv: KVCache, kind: str) -> None:
         self.transport = transport
+        self.kind = kind
         self.region = transport.register("kv", kv.tensor, granule=kv.block_nbytes)
 
     def local_metadata(self) -> bytes:
@@ -74,4 +75,4 @@ class KVTransport:
 
 def open_kv_transport(cfg: TransportConfig, engine_id: str, kv: KVCache) -> KVTransport:
     """Start the configured backend and register the KV cache with it."""
-    return KVTransport(create_transport(cfg, engine_id), kv)
+    return KVTransport(create_transport(cfg, engine_id), kv, cfg.kind)

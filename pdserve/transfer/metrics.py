@@ -1,0 +1,107 @@
+"""Prometheus view of a connector's counters, read at scrape time (no locks: ints/floats)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from pdserve.transfer.connector import KVConnector
+
+
+class ConnectorCollector(Collector):
+    """Transfer metrics of one instance: bytes, time, descriptors, failures, expiries, push."""
+
+    def __init__(self, connector: KVConnector) -> None:
+        self.connector = connector
+
+    def collect(self) -> Iterable[Metric]:
+        s = self.connector.stats
+        mode = self.connector.cfg.mode
+        yield _counter(
+            "pdserve_kv_bytes_transferred",
+            "KV bytes moved by this instance (pull: read by D; push: written by P).",
+            s.bytes_moved,
+            mode,
+        )
+        yield _counter("pdserve_kv_transfers", "KV transfers completed.", s.transfers, mode)
+        yield _counter(
+            "pdserve_kv_transfer_seconds",
+            "Time from posting to completion, summed.",
+            s.transfer_seconds,
+            mode,
+        )
+        yield _counter(
+            "pdserve_kv_descriptors", "Descriptors posted (after coalescing).", s.descriptors, mode
+        )
+        yield _counter(
+            "pdserve_kv_failed_transfers", "Transfers that failed a request.", s.failures, mode
+        )
+        yield _counter(
+            "pdserve_kv_lease_expired",
+            "Held prompt KV freed by lease expiry.",
+            s.lease_expired,
+            mode,
+        )
+        yield _counter(
+            "pdserve_kv_recv_timeouts",
+            "D: requests failed by the KV watchdog.",
+            s.recv_timeouts,
+            mode,
+        )
+        yield _counter(
+            "pdserve_kv_registrations_expired",
+            "P (push): registrations never matched by a prompt.",
+            s.registrations_expired,
+            mode,
+        )
+        yield _counter("pdserve_kv_received", "D: prompts whose KV arrived.", s.received, mode)
+        yield _counter(
+            "pdserve_kv_recv_wait_seconds",
+            "D: admission (push: registration) to KV arrival, summed.",
+            s.recv_wait_seconds,
+            mode,
+        )
+        held = GaugeMetricFamily(
+            "pdserve_kv_blocks_held",
+            "Blocks the connector owns (holds, quarantine).",
+            labels=["mode"],
+        )
+        held.add_metric([mode], self.connector.num_blocks_held())
+        yield held
+        yield from self._push()
+
+    def _push(self) -> Iterable[Metric]:
+        ws = getattr(self.connector, "writer_stats", None)
+        if ws is None:
+            return
+        yield _counter(
+            "pdserve_push_match_wait_seconds",
+            "P: registration arrival to pairing with the prompt, summed.",
+            ws.match_wait_s,
+            "push",
+        )
+        order = CounterMetricFamily(
+            "pdserve_push_pairings", "P: pairings by arrival order.", labels=["first"]
+        )
+        order.add_metric(["registration"], ws.registered_first)
+        order.add_metric(["prefill"], ws.finished_first)
+        yield order
+        yield GaugeMetricFamily(
+            "pdserve_push_writer_queue_depth",
+            "P: registrations, prompts and writes the writer holds.",
+            value=ws.queue_depth,
+        )
+        causes = CounterMetricFamily(
+            "pdserve_push_failures", "P: failure notices sent, by cause.", labels=["cause"]
+        )
+        for cause, n in sorted(ws.failures_by_cause.items()):
+            causes.add_metric([cause], n)
+        yield causes
+
+
+def _counter(name: str, doc: str, value: float, mode: str) -> CounterMetricFamily:
+    c = CounterMetricFamily(name, doc, labels=["mode"])
+    c.add_metric([mode], value)
+    return c
