@@ -92,7 +92,9 @@ def _api_routes(serving: OpenAIServing, api_key: str | None) -> APIRouter:
         params = serving.sampling_params(body, max_tokens)
         rid = _request_id(request)
         er = build_engine_request(f"cmpl-{rid}", prompt, params, body.kv_transfer_params)
-        fmt = CompletionFormat(er.request_id, serving.model_name, len(prompt))
+        fmt = CompletionFormat(
+            er.request_id, serving.model_name, len(prompt), body.return_token_ids
+        )
         return await _respond(request, serving, er, fmt, body.stream, _usage_wanted(body), rid)
 
     @api.post("/chat/completions")

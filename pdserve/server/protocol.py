@@ -66,6 +66,7 @@ class CompletionRequest(SamplingFields):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
+    return_token_ids: bool = False  # extension (vLLM's name): generated ids in the choice
 
 
 class TextContentPart(_Request):
@@ -131,6 +132,7 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: None = None
     finish_reason: FinishReasonStr | None
+    token_ids: list[int] | None = None  # with return_token_ids (non-streamed)
 
 
 class CompletionResponse(BaseModel):

@@ -70,6 +70,12 @@ class _Base:
 class CompletionFormat(_Base):
     """Bodies of /v1/completions (`text_completion` objects)."""
 
+    def __init__(
+        self, response_id: str, model: str, num_prompt_tokens: int, token_ids: bool = False
+    ) -> None:
+        super().__init__(response_id, model, num_prompt_tokens)
+        self.token_ids = token_ids
+
     def _body(self, choices: list[CompletionChoice], **extra: Any) -> CompletionResponse:
         return CompletionResponse(
             id=self.id, created=self.created, model=self.model, choices=choices, **extra
@@ -89,7 +95,9 @@ class CompletionFormat(_Base):
 
     def full(self, gen: Generation) -> CompletionResponse:
         choice = CompletionChoice(
-            text=gen.text, finish_reason=openai_finish_reason(gen.finish_reason)
+            text=gen.text,
+            finish_reason=openai_finish_reason(gen.finish_reason),
+            token_ids=gen.token_ids if self.token_ids else None,
         )
         return self._body(
             [choice],

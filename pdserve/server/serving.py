@@ -74,6 +74,7 @@ class Generation:
     num_output_tokens: int
     error: str | None = None
     kv_transfer_params: dict[str, Any] | None = None
+    token_ids: list[int] | None = None
 
 
 class OpenAIServing:
@@ -228,20 +229,23 @@ class OpenAIServing:
     async def generate(self, request: EngineRequest, timer: RequestTimer) -> Generation:
         """Run `request` to the end and return its whole output."""
         parts: list[str] = []
-        n = 0
+        ids: list[int] = []
         async with aclosing(self.stream(request, timer)) as outputs:
             async for out in outputs:
                 parts.append(out.new_text)
-                n += len(out.new_token_ids)
+                ids += out.new_token_ids
                 if out.finished:
                     return Generation(
                         text="".join(parts),
                         finish_reason=out.finish_reason or FinishReason.ERROR,
-                        num_output_tokens=n,
+                        num_output_tokens=len(ids),
                         error=out.error,
                         kv_transfer_params=kv_transfer_params_of(out),
+                        token_ids=ids,
                     )
-        return Generation("".join(parts), FinishReason.ABORT, n, error="the stream ended early")
+        return Generation(
+            "".join(parts), FinishReason.ABORT, len(ids), error="the stream ended early"
+        )
 
 
 async def _first(outputs: AsyncIterator[RequestOutput]) -> RequestOutput | None:
