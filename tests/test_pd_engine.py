@@ -176,3 +176,24 @@ def test_compat_mismatch_is_a_clear_error(pair_factory, loaded) -> None:
     assert out.finish_reason is FinishReason.ERROR
     assert "block_size" in out.error and "incompatible" in out.error
     pair.settle()
+
+
+def test_push_unclaimed_registration_expires_with_a_failure_notice(pair_factory) -> None:
+    pair = pair_factory("push", p_kw={"registration_ttl_s": 0.3}, d_kw={"recv_timeout_s": 30})
+    ids = prompts(1, seed=16)[0]
+    pair.submit_d("r", ids, GREEDY, pair.push_params("t-orphan"))  # P never gets the prompt
+    pair.run_until(lambda: pair.finished("r"), timeout=5.0)
+    out = pair.finished("r")
+    assert out.finish_reason is FinishReason.ERROR and "never finished" in out.error
+    assert pair.p.connector.stats.registrations_expired == 1
+    assert pair.d.connector.stats.recv_timeouts == 0  # P's notice, not D's watchdog
+    pair.settle()
+
+
+def test_push_prompt_nobody_registers_for_is_freed_after_the_lease(pair_factory) -> None:
+    pair = pair_factory("push", p_kw={"lease_s": 0.3})
+    pair.submit_p("r-p", prompts(1, seed=17)[0], "t-unwanted")
+    pair.run_until(lambda: pair.finished("r-p"))
+    assert pair.p.pool.num_used > 0  # held for a decode instance that never registers
+    pair.settle(timeout=5.0)
+    assert pair.p.connector.stats.lease_expired == 1
