@@ -197,3 +197,28 @@ def test_push_prompt_nobody_registers_for_is_freed_after_the_lease(pair_factory)
     assert pair.p.pool.num_used > 0  # held for a decode instance that never registers
     pair.settle(timeout=5.0)
     assert pair.p.connector.stats.lease_expired == 1
+
+
+@pytest.mark.parametrize("mode", ["push", "pull"])
+def test_dead_prefill_instance_fails_waiting_requests_by_heartbeat(pair_factory, mode) -> None:
+    pair = pair_factory(mode, d_kw={"recv_timeout_s": 60})
+    ids = prompts(1, seed=18)[0]
+    if mode == "push":
+        pair.submit_d("r", ids, GREEDY, pair.push_params("t-dead"))
+    else:  # P prefilled and holds the blocks; D has not read them yet
+        pair.submit_p("r-p", ids)
+        pair.run_until(lambda: pair.finished("r-p"), only=pair.p)
+        kv = pair.finished("r-p").kv_transfer_params
+        pair.p.close()  # dies before D's READ: the handshake or read cannot complete
+        fields = {f: getattr(kv, f) for f in kv.__struct_fields__}
+        pair.submit_d("r", ids, GREEDY, type(kv)(**{**fields, "do_remote_prefill": True}))
+    if mode == "push":
+        pair.run_until(lambda: pair.d.stats().num_waiting_for_kv == 1, only=pair.d)
+        pair.p.close()  # P is gone while D waits for its write
+    pair.run_until(lambda: pair.finished("r"), timeout=15.0, only=pair.d)
+    out = pair.finished("r")
+    assert out.finish_reason is FinishReason.ERROR, out
+    pair.run_until(lambda: pair.d.pool.num_used == 0, timeout=10.0, only=pair.d)
+    pair.d.check_integrity()
+    if mode == "push":
+        assert "stopped answering" in out.error and pair.d.connector.stats.peers_down == 1

@@ -122,6 +122,7 @@ class _Hold:
 class _Quarantine:
     blocks: list[int]
     deadline: float
+    peer: Address | None  # the instance whose transfer might still land; None: unknown
 
 
 class KVConnector:
@@ -149,7 +150,14 @@ class KVConnector:
         self.quarantine: dict[str, _Quarantine] = {}  # engine thread only
         self.receiving: dict[str, Request] = {}  # transfer id -> D request (engine thread)
         self.stats = ConnectorStats()
+        self._watched: frozenset[Address] = frozenset()  # peers we wait on (engine thread)
+        self._pongs: dict[Address, float] = {}
+        self._closing = threading.Event()
         self.side = SideChannel(self._on_message, cfg.side_host, cfg.side_port, cfg.cluster_token)
+        self._heartbeat = threading.Thread(
+            target=self._heartbeat_loop, name="pdserve-heartbeat", daemon=True
+        )
+        self._heartbeat.start()
 
     # -- scheduler side: overridden by each mode --------------------------------------------
     def start_receive(self, req: Request) -> None:
@@ -176,7 +184,7 @@ class KVConnector:
         if req.block_ids:
             self.pool.transfer(req.block_ids, req.request_id, f"quarantine:{tid}")
             deadline = time.monotonic() + self.cfg.quarantine_s
-            self.quarantine[tid] = _Quarantine(req.block_ids, deadline)
+            self.quarantine[tid] = _Quarantine(req.block_ids, deadline, remote_address(req))
             req.block_ids = []
         self._on_cancel(tid)
 
@@ -194,6 +202,10 @@ class KVConnector:
                 break
             out += self._apply(item)
         out += self._expire(time.monotonic())
+        self._watched = frozenset(
+            {remote_address(r) for r in self.receiving.values()}
+            | {q.peer for q in self.quarantine.values()}
+        ) - {None}
         return out
 
     def _apply(self, item: object) -> list[Event]:
@@ -201,6 +213,8 @@ class KVConnector:
             self.release_hold(item.transfer_id, item.reason)
         elif isinstance(item, ReleaseQuarantine):
             self.release_quarantine(item.transfer_id)
+        elif isinstance(item, PeerDown):
+            return self._peer_down(item)
         elif isinstance(item, (Arrived, Failed)):
             # An outcome counts only while its request still waits; else it is stale.
             req = self.receiving.pop(item.transfer_id, None)
@@ -233,6 +247,57 @@ class KVConnector:
                 )
             )
         return out
+
+    def _peer_down(self, down: PeerDown) -> list[Event]:
+        """A peer stopped answering: nothing it owed us will come.
+
+        Its transport links are closed first, so no write or read from it can land after
+        this (tcp: our receiver owns the socket; nixl: the remote agent is dropped, which
+        leaves a wedged-but-alive peer's already-posted RDMA write as the residual risk).
+        Then the blocks fenced for it are released and its waiting requests fail.
+        """
+        self.stats.peers_down += 1
+        log.warning("peer at %s:%d is down: %s", *down.address, down.reason)
+        self._forget_peer(down.address)
+        for tid in [t for t, q in self.quarantine.items() if q.peer == down.address]:
+            self.release_quarantine(tid)
+        lost = [(t, r) for t, r in self.receiving.items() if remote_address(r) == down.address]
+        for tid, _ in lost:
+            del self.receiving[tid]
+        msg = f"the prefill instance at {down.address[0]}:{down.address[1]} {down.reason}"
+        return [KVFailed(r.request_id, msg) for _, r in lost]
+
+    def _forget_peer(self, address: Address) -> None:
+        with self._peers_lock:
+            gone = [e for e, p in self._peers.items() if p.address == address]
+            peers = [self._peers.pop(e) for e in gone]
+        for p in peers:
+            self.transport.remove_peer(p.transport_peer)
+
+    # -- heartbeat (its own thread) -------------------------------------------------------
+    def _heartbeat_loop(self) -> None:
+        last_seen: dict[Address, float] = {}
+        while not self._closing.wait(self.cfg.heartbeat_s):
+            now = time.monotonic()
+            watched = self._watched
+            for addr in watched:
+                seen = self._pongs.get(addr, 0.0)
+                last_seen[addr] = max(last_seen.get(addr, now), seen)
+                if now - last_seen[addr] > self.cfg.heartbeat_s * self.cfg.heartbeat_misses:
+                    self.report(PeerDown(addr, "stopped answering"))
+                    last_seen.pop(addr)
+                    continue
+                self.side.send(addr, m.Ping(reply_to=self.side.address))
+            for addr in set(last_seen) - watched:
+                del last_seen[addr]
+
+    def _on_pong(self, pong: m.Pong) -> None:
+        addr = tuple(pong.address)
+        with self._peers_lock:
+            known = [p for p in self._peers.values() if p.address == addr]
+        if any(p.incarnation != pong.incarnation for p in known):
+            self.report(PeerDown(addr, "restarted (new incarnation)"))
+        self._pongs[addr] = time.monotonic()
 
     def hold(self, req: Request, first_token: int, done_time: float, lease: bool) -> _Hold:
         """P: take the finished request's blocks; with `lease`, the engine expires them."""
@@ -395,6 +460,15 @@ class KVConnector:
     def _on_message(self, msg: m.Message) -> None:
         if isinstance(msg, m.Hello):
             self._answer_hello(msg)
+        elif isinstance(msg, m.Ping):
+            pong = m.Pong(
+                engine_id=self.cfg.engine_id,
+                incarnation=self.cfg.incarnation,
+                address=self.side.address,
+            )
+            self.side.send(tuple(msg.reply_to), pong)
+        elif isinstance(msg, m.Pong):
+            self._on_pong(msg)
         else:
             self.on_message(msg)
 
@@ -402,6 +476,8 @@ class KVConnector:
         """Mode hook for the side channel's other messages (receiver thread)."""
 
     def close(self) -> None:
+        self._closing.set()
+        self._heartbeat.join(2.0)
         self.side.close()
         self.transport.close()
 
@@ -421,6 +497,7 @@ class ConnectorStats(msgspec.Struct):
     lease_expired: int = 0
     recv_timeouts: int = 0
     registrations_expired: int = 0
+    peers_down: int = 0
     received: int = 0  # D: prompts whose KV arrived
     recv_wait_seconds: float = 0.0  # D: admission (push: registration) to arrival, summed
 
@@ -432,6 +509,21 @@ class ReleaseHold(msgspec.Struct, frozen=True):
 
 class ReleaseQuarantine(msgspec.Struct, frozen=True):
     transfer_id: str
+
+
+class PeerDown(msgspec.Struct, frozen=True):
+    """Heartbeat report: the peer at `address` is gone (or restarted)."""
+
+    address: Address
+    reason: str
+
+
+def remote_address(req: Request) -> Address | None:
+    """D: the side channel of the prefill instance this request's KV comes from."""
+    p = req.kv_transfer
+    if p is None or p.remote_host is None or p.remote_port is None:
+        return None
+    return (p.remote_host, p.remote_port)
 
 
 def transfer_id_of(req: Request) -> str:

@@ -41,6 +41,10 @@ class KVTransport:
     def add_peer(self, metadata: bytes) -> PeerId:
         return self.transport.add_peer(metadata)
 
+    def remove_peer(self, peer: PeerId) -> None:
+        """Close the links to `peer`: its pending transfers fail, nothing more lands."""
+        self.transport.remove_peer(peer)
+
     def _descs(self, pairs: Pairs) -> np.ndarray:
         arr = np.empty((len(pairs), 3), dtype=np.int64)
         arr[:, 0] = self.region

@@ -101,8 +101,20 @@ class PullDone(msgspec.Struct, tag=True, kw_only=True):
     ok: bool
 
 
+class Ping(msgspec.Struct, tag=True, kw_only=True):
+    """Liveness probe of a peer this instance waits on (see KVConnector's heartbeat)."""
+
+    reply_to: tuple[str, int]
+
+
+class Pong(msgspec.Struct, tag=True, kw_only=True):
+    engine_id: str
+    incarnation: str
+    address: tuple[str, int]  # the side channel that answered (the Ping's target)
+
+
 Message = Hello | HelloReply | PushRegistration | PushDone | PushFailed | PushAbort
-Message = Message | PushAbortAck | PullDone
+Message = Message | PushAbortAck | PullDone | Ping | Pong
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
