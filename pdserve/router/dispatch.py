@@ -115,6 +115,7 @@ def push_params(p: Instance, transfer_id: str) -> tuple[Params, Params]:
         "transfer_mode": "push",
         "transfer_id": transfer_id,
         "remote_engine_id": p.info.engine_id,
+        "remote_incarnation": p.info.incarnation,  # a restarted P forces a re-handshake
         "remote_host": p.info.side_channel_host,
         "remote_port": p.info.side_channel_port,
     }

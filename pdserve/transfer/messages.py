@@ -77,6 +77,7 @@ class PushFailed(msgspec.Struct, tag=True, kw_only=True):
 
     transfer_id: str
     reason: str
+    unknown_peer: bool = False  # P does not know D's incarnation: D should handshake again
 
 
 class PushAbort(msgspec.Struct, tag=True, kw_only=True):

@@ -152,7 +152,9 @@ class PushConnector(KVConnector):
     # == both sides: side channel =========================================================
     def on_message(self, msg: m.Message) -> None:
         if isinstance(msg, m.PushFailed):  # D
-            self._p_of.pop(msg.transfer_id, None)
+            to = self._p_of.pop(msg.transfer_id, None)
+            if msg.unknown_peer and to is not None:
+                self._forget_peer(to)  # P restarted and lost us: handshake again next time
             self.report(Failed(msg.transfer_id, f"prefill instance: {msg.reason}"))
         elif isinstance(msg, m.PushAbortAck):  # D
             self.report(ReleaseQuarantine(msg.transfer_id))
@@ -229,7 +231,8 @@ class PushConnector(KVConnector):
     def _post(self, w: _WriterState, reg: m.PushRegistration, fin: _Finished) -> None:
         peer = self.known_peer(reg.engine_id, reg.incarnation)
         if peer is None:
-            self._fail_remote(reg, f"unknown decode instance {reg.engine_id}/{reg.incarnation}")
+            msg = f"unknown decode instance {reg.engine_id}/{reg.incarnation}"
+            self._fail_remote(reg, msg, unknown_peer=True)
         elif len(reg.block_ids) != len(fin.blocks) or reg.num_tokens != fin.num_tokens:
             self._fail_remote(
                 reg,
@@ -300,14 +303,14 @@ class PushConnector(KVConnector):
             for tid in [t for t, v in d.items() if (v[1] if isinstance(v, tuple) else v) < now]:
                 del d[tid]
 
-    def _fail_remote(self, reg: m.PushRegistration, reason: str) -> None:
+    def _fail_remote(self, reg: m.PushRegistration, reason: str, unknown_peer=False) -> None:
         self.stats.failures += 1
-        self.writer_stats.failures_by_cause[reason.split(":")[0][:60]] = (
-            self.writer_stats.failures_by_cause.get(reason.split(":")[0][:60], 0) + 1
+        cause = reason.split(":")[0][:60]
+        self.writer_stats.failures_by_cause[cause] = (
+            self.writer_stats.failures_by_cause.get(cause, 0) + 1
         )
-        self.side.send(
-            tuple(reg.reply_to), m.PushFailed(transfer_id=reg.transfer_id, reason=reason)
-        )
+        notice = m.PushFailed(transfer_id=reg.transfer_id, reason=reason, unknown_peer=unknown_peer)
+        self.side.send(tuple(reg.reply_to), notice)
 
     def close(self) -> None:
         self._stop.set()
