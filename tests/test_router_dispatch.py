@@ -90,6 +90,7 @@ def test_push_sends_both_legs_concurrently() -> None:
         "transfer_mode": "push",
         "transfer_id": tid,
         "remote_engine_id": p.engine_id,
+        "remote_incarnation": p.incarnation,
         "remote_host": "127.0.0.1",
         "remote_port": p.side_channel_port,
     }

@@ -68,12 +68,20 @@ class SideChannel:
 
     # -- sending ---------------------------------------------------------------------------
     def send(self, to: Address, msg: m.Message) -> None:
-        """Queue `msg` for `to` (never blocks on the network; ZMQ buffers it)."""
+        """Queue `msg` for `to` (never blocks on the network; ZMQ buffers it).
+
+        After `close()` messages are dropped: the instance is shutting down.
+        """
+        if self._stop.is_set():
+            return
         sock, lock = self._peer(to)
         frame = msgspec.msgpack.encode(_Envelope(time.time(), m.encode(msg)))
         mac = hmac.digest(self._key, frame, "sha256") if self._key else b""
         with lock:
-            sock.send_multipart([mac, frame], flags=zmq.NOBLOCK)
+            try:
+                sock.send_multipart([mac, frame], flags=zmq.NOBLOCK)
+            except zmq.ZMQError as exc:  # full queue to a dead peer, or closing
+                log.warning("side channel: dropped a %s to %s: %s", type(msg).__name__, to, exc)
 
     def request(self, to: Address, msg: m.Hello, timeout: float) -> m.Message:
         """Send a message with a nonce and wait for the reply carrying the same nonce."""
