@@ -1,0 +1,264 @@
+"""Authenticated handshake on a fresh TCP connection, and the listener that accepts them.
+
+    client                                server
+      Hello(version, backend, id, nonce_c) ->
+                                          <- Challenge(id, nonce_s, proof_server)
+      [check proof_server, identity]
+      Auth(proof_client, card, extra)     ->
+                                          [check proof_client; admit(card, extra)]
+                                          <- Welcome(card, extra)   or Refuse(code, reason)
+
+The client also checks that the server's identity is the one its metadata promised: a
+different incarnation at that address means the peer restarted (`StalePeerError`). Nothing
+backend-specific (e.g. NIXL agent metadata, in `extra`) is given before the proofs check
+out. Both backends use this: tcp keeps the socket as its data connection, nixl as a
+liveness link.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from pdserve.transfer.transport import auth
+from pdserve.transfer.transport.base import (
+    PROTOCOL_VERSION,
+    AuthError,
+    PeerCard,
+    PeerError,
+    StalePeerError,
+    TransportError,
+)
+from pdserve.transfer.transport.wire import (
+    Auth,
+    Challenge,
+    Deadline,
+    Frame,
+    Hello,
+    Refuse,
+    Welcome,
+    recv_frame,
+    send_frame,
+)
+
+log = logging.getLogger(__name__)
+
+IO_TICK_S = 0.25  # socket timeout: how often blocked I/O wakes up to check liveness
+UNIX_BUFFER_BYTES = 4 << 20  # capped by net.core.{w,r}mem_max
+
+
+@dataclass(frozen=True)
+class Me:
+    """The local side of a handshake."""
+
+    card: PeerCard
+    token: str | None
+    extra: bytes = b""
+
+
+def configure(sock: socket.socket) -> None:
+    """Options every transport socket gets."""
+    if sock.family in (socket.AF_INET, socket.AF_INET6):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    else:  # Unix sockets do not autotune: 200 KB by default means a syscall per 200 KB
+        for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+            sock.setsockopt(socket.SOL_SOCKET, opt, UNIX_BUFFER_BYTES)
+    sock.settimeout(IO_TICK_S)
+
+
+def host_identity() -> str | None:
+    """Same value in two processes iff they share a kernel boot and a network namespace,
+    i.e. iff one can reach the other's abstract Unix socket. None off Linux."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        return f"{boot}:{os.stat('/proc/self/ns/net').st_ino}"
+    except OSError:
+        return None
+
+
+def tcp_server(host: str, port: int) -> socket.socket:
+    return socket.create_server((host, port))
+
+
+def abstract_path(name: str) -> str:
+    """A Unix socket address in Linux's abstract namespace: no file, gone with the process."""
+    return "\0" + name
+
+
+def unix_server(path: str) -> socket.socket | None:
+    """A listening Unix-domain socket at `path`, or None where that is unsupported."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(path)
+        sock.listen()
+    except OSError:
+        sock.close()
+        return None
+    return sock
+
+
+def _connect(peer: PeerCard, me: Me, timeout_s: float) -> socket.socket:
+    """Same host: the peer's Unix socket (several times faster than TCP loopback), else TCP."""
+    if peer.unix_path and peer.host_id and peer.host_id == me.card.host_id:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(timeout_s)
+        try:
+            sock.connect(peer.unix_path)
+            return sock
+        except OSError:
+            sock.close()  # e.g. another network namespace after all: use TCP
+    return socket.create_connection((peer.host, peer.port), timeout=timeout_s)
+
+
+def _refusal(code: str, reason: str) -> TransportError:
+    kinds = {"auth": AuthError, "stale": StalePeerError}
+    return kinds.get(code, PeerError)(reason)
+
+
+def _code(exc: TransportError) -> str:
+    if isinstance(exc, AuthError):
+        return "auth"
+    return "stale" if isinstance(exc, StalePeerError) else "peer"
+
+
+def _expect(frame: Frame, kind: type, who: str) -> Frame:
+    if isinstance(frame, Refuse):
+        raise _refusal(frame.code, f"{who} refused: {frame.reason}")
+    if not isinstance(frame, kind):
+        raise PeerError(f"{who} sent {type(frame).__name__} during the handshake")
+    return frame
+
+
+def _refuse(sock: socket.socket, exc: TransportError, live: Deadline) -> TransportError:
+    with contextlib.suppress(OSError):
+        send_frame(sock, Refuse(_code(exc), str(exc)), live)
+    return exc
+
+
+def dial(peer: PeerCard, me: Me, timeout_s: float) -> tuple[socket.socket, Welcome]:
+    """Connect to `peer`'s listener and authenticate both ways; returns socket + welcome."""
+    who = f"peer {peer.engine_id} at {peer.host}:{peer.port}"
+    try:
+        sock = _connect(peer, me, timeout_s)
+    except OSError as exc:
+        raise PeerError(f"cannot reach {who}: {exc}") from None
+    try:
+        configure(sock)
+        return sock, _client_side(sock, peer, me, who, Deadline(timeout_s, f"handshake with {who}"))
+    except BaseException:
+        sock.close()
+        raise
+
+
+def _client_side(sock: socket.socket, peer: PeerCard, me: Me, who: str, live: Deadline) -> Welcome:
+    nonce = auth.new_nonce()
+    mine = (me.card.engine_id, me.card.incarnation)
+    send_frame(sock, Hello(PROTOCOL_VERSION, me.card.kind, *mine, nonce), live)
+    ch = _expect(recv_frame(sock, live), Challenge, who)
+    found = (ch.engine_id, ch.incarnation)
+    if found != (peer.engine_id, peer.incarnation):
+        raise _refuse(
+            sock,
+            StalePeerError(
+                f"{who} is now {found[0]}@{found[1][:8]}, not incarnation {peer.incarnation[:8]} "
+                "of the metadata: it restarted; get fresh metadata"
+            ),
+            live,
+        )
+    tr = auth.transcript(me.card.kind, mine, found, nonce, ch.nonce)
+    if not auth.verify(me.token, auth.SERVER, tr, ch.proof):
+        raise _refuse(sock, AuthError(f"{who} could not prove it knows the cluster token"), live)
+    send_frame(sock, Auth(auth.prove(me.token, auth.CLIENT, tr), me.card, me.extra), live)
+    return _expect(recv_frame(sock, live), Welcome, who)
+
+
+Admit = Callable[[PeerCard, bytes], bytes]
+
+
+def answer(sock: socket.socket, me: Me, admit: Admit, timeout_s: float) -> Auth:
+    """Server side: authenticate the client, let `admit` accept it (returns our extra)."""
+    live = Deadline(timeout_s, "handshake")
+    hello = _expect(recv_frame(sock, live), Hello, "client")
+    if hello.version != PROTOCOL_VERSION or hello.backend != me.card.kind:
+        raise _refuse(
+            sock,
+            PeerError(
+                f"client speaks {hello.backend} v{hello.version}, we are {me.card.kind} "
+                f"v{PROTOCOL_VERSION}"
+            ),
+            live,
+        )
+    nonce = auth.new_nonce()
+    theirs, mine = (hello.engine_id, hello.incarnation), (me.card.engine_id, me.card.incarnation)
+    tr = auth.transcript(me.card.kind, theirs, mine, hello.nonce, nonce)
+    send_frame(sock, Challenge(*mine, nonce, auth.prove(me.token, auth.SERVER, tr)), live)
+    msg = _expect(recv_frame(sock, live), Auth, f"client {hello.engine_id}")
+    if not auth.verify(me.token, auth.CLIENT, tr, msg.proof):
+        raise _refuse(sock, AuthError(f"client {hello.engine_id} failed the token check"), live)
+    if (msg.card.engine_id, msg.card.incarnation) != theirs:
+        raise _refuse(sock, PeerError("client card does not match its hello"), live)
+    try:
+        extra = admit(msg.card, msg.extra)
+    except TransportError as exc:
+        raise _refuse(sock, exc, live) from None
+    send_frame(sock, Welcome(me.card, extra), live)
+    return msg
+
+
+def advertised_host(host: str) -> str:
+    """The address peers should dial when we listen on `host` (wildcards need a real one)."""
+    if host not in ("", "0.0.0.0", "::"):
+        return host
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
+class Listener:
+    """Accepts connections on a listening socket; runs `on_accept(sock)` in a thread each."""
+
+    def __init__(self, sock: socket.socket, on_accept: Callable[[socket.socket], None], name: str):
+        self._sock = sock
+        self._sock.settimeout(IO_TICK_S)
+        self._on_accept = on_accept
+        self._name = name
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name=f"{name}-listen", daemon=True)
+        self._thread.start()
+
+    @property
+    def port(self) -> int:
+        return self._sock.getsockname()[1]
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self._sock.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                break
+            configure(conn)
+            threading.Thread(
+                target=self._serve, args=(conn,), name=f"{self._name}-conn", daemon=True
+            ).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        try:
+            self._on_accept(conn)
+        except Exception as exc:  # one bad client must not take the listener down
+            log.warning("%s: refused a connection: %s", self._name, exc)
+            conn.close()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2 * IO_TICK_S + 1)
+        self._sock.close()
