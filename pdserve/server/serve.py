@@ -185,6 +185,7 @@ def main(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # NIXL logs INFO to stdout otherwise
     engine_cfg, server_cfg = configs_from_args(args)
     try:
         sock = _bind(server_cfg.host, server_cfg.port)
