@@ -109,3 +109,4 @@ class ConnectorConfig:
     # a finished prompt to the writer.
     push_register_delay_s: float = 0.0
     push_finish_delay_s: float = 0.0
+    fault_transfer_every: int = 0  # tests: every Nth transfer this instance posts fails

@@ -86,6 +86,7 @@ def add_transfer_arguments(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--push-register-delay", type=float, default=0.0, help=argparse.SUPPRESS)
     g.add_argument("--push-finish-delay", type=float, default=0.0, help=argparse.SUPPRESS)
+    g.add_argument("--fault-transfer-every", type=int, default=0, help=argparse.SUPPRESS)
 
 
 def connector_config(args: argparse.Namespace) -> ConnectorConfig:
@@ -100,6 +101,7 @@ def connector_config(args: argparse.Namespace) -> ConnectorConfig:
         recv_timeout_s=args.kv_recv_timeout,
         push_register_delay_s=args.push_register_delay,
         push_finish_delay_s=args.push_finish_delay,
+        fault_transfer_every=args.fault_transfer_every,
     )
 
 
@@ -139,7 +141,7 @@ def build_factory(ccfg: ConnectorConfig, tcfg: TransportConfig):
         from pdserve.transfer.pull import PullConnector
         from pdserve.transfer.push import PushConnector
 
-        transport = open_kv_transport(tcfg, ccfg.engine_id, kv)
+        transport = open_kv_transport(tcfg, ccfg.engine_id, kv, ccfg.fault_transfer_every)
         cls = PushConnector if ccfg.mode == "push" else PullConnector
         return cls(ccfg, kv, pool, compat_of(kv, loaded), transport)
 

@@ -12,6 +12,8 @@ reports it finished (see pdserve.transfer.transport.base).
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 
 from pdserve.config import TransportConfig
@@ -21,6 +23,7 @@ from pdserve.transfer.transport import (
     TransferHandle,
     TransferState,
     Transport,
+    TransportError,
     create_transport,
 )
 
@@ -30,9 +33,11 @@ Pairs = list[tuple[int, int]]
 class KVTransport:
     """A transport bound to one instance's KV cache region."""
 
-    def __init__(self, transport: Transport, kv: KVCache, kind: str) -> None:
+    def __init__(self, transport: Transport, kv: KVCache, kind: str, fail_every: int = 0) -> None:
         self.transport = transport
         self.kind = kind
+        self._fail_every = fail_every  # fault injection (tests): every Nth post fails
+        self._posts = itertools.count(1)
         self.region = transport.register("kv", kv.tensor, granule=kv.block_nbytes)
 
     def local_metadata(self) -> bytes:
@@ -54,12 +59,19 @@ class KVTransport:
     def write(
         self, peer: PeerId, local: Pairs, remote: Pairs, notif: bytes | None
     ) -> TransferHandle:
+        self._maybe_fail()
         return self.transport.write(peer, self._descs(local), self._descs(remote), notif)
 
     def read(
         self, peer: PeerId, local: Pairs, remote: Pairs, notif: bytes | None
     ) -> TransferHandle:
+        self._maybe_fail()
         return self.transport.read(peer, self._descs(local), self._descs(remote), notif)
+
+    def _maybe_fail(self) -> None:
+        n = next(self._posts)
+        if self._fail_every and n % self._fail_every == 0:
+            raise TransportError(f"injected transfer fault (post #{n})")
 
     def poll(self, handle: TransferHandle) -> tuple[bool, str | None]:
         """(finished, error); a finished handle is released here."""
@@ -77,6 +89,8 @@ class KVTransport:
         self.transport.close()
 
 
-def open_kv_transport(cfg: TransportConfig, engine_id: str, kv: KVCache) -> KVTransport:
+def open_kv_transport(
+    cfg: TransportConfig, engine_id: str, kv: KVCache, fail_every: int = 0
+) -> KVTransport:
     """Start the configured backend and register the KV cache with it."""
-    return KVTransport(create_transport(cfg, engine_id), kv, cfg.kind)
+    return KVTransport(create_transport(cfg, engine_id), kv, cfg.kind, fail_every)

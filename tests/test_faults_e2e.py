@@ -1,0 +1,206 @@
+"""Fault matrix with real processes (tcp transport): kills, restarts, injected errors.
+
+Each case: every client gets a completion or a clear error within a bound, no process
+hangs, every surviving instance's KV pool returns to full, and the next requests succeed.
+Processes are started one by one (tests/procs.py) so that one of them can be killed
+(SIGKILL, by PID) and restarted on the same ports with a new incarnation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+import time
+from contextlib import ExitStack
+
+import httpx
+import pytest
+
+from tests.procs import PdserveProcess, free_port
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+BOUND_S = 30.0  # every request ends within this, whatever was killed
+
+
+class Trio:
+    """A prefill, a decode and a router process on fixed ports, each restartable."""
+
+    def __init__(self, mode: str, p_args=(), d_args=()) -> None:
+        self.mode = mode
+        self.ports = {name: free_port() for name in ("p", "p_side", "d", "router")}
+        self.p_args, self.d_args = tuple(p_args), tuple(d_args)
+        self.procs: dict[str, PdserveProcess] = {}
+        self.stack = ExitStack()
+
+    def _instance(self, role: str) -> PdserveProcess:
+        extra = self.p_args if role == "prefill" else self.d_args
+        args = ["serve", "--role", role, "--kv-transfer", self.mode, "--threads", "1", *extra]
+        if role == "prefill":
+            args += ["--side-channel-port", str(self.ports["p_side"])]
+        return PdserveProcess(args, port=self.ports["p" if role == "prefill" else "d"])
+
+    def start(self, name: str) -> None:
+        if name == "router":
+            proc = PdserveProcess(
+                [
+                    "router",
+                    "--prefill",
+                    self.url("p"),
+                    "--decode",
+                    self.url("d"),
+                    "--kv-transfer",
+                    self.mode,
+                    "--request-timeout",
+                    "60",
+                ],
+                port=self.ports["router"],
+            )
+        else:
+            proc = self._instance({"p": "prefill", "d": "decode"}[name])
+        self.procs[name] = self.stack.enter_context(proc)
+
+    def kill(self, name: str) -> None:
+        os.kill(self.procs[name].pid, signal.SIGKILL)
+        self.procs[name].stop()
+
+    def url(self, name: str) -> str:
+        return f"http://127.0.0.1:{self.ports[name]}"
+
+    def __enter__(self) -> Trio:
+        for name in ("p", "d", "router"):
+            self.start(name)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stack.close()
+
+    def blocks_used(self, name: str) -> int:
+        return httpx.get(f"{self.url(name)}/load", timeout=5).json()["kv_blocks_used"]
+
+    def wait_free(self, names=("p", "d"), timeout: float = 20.0) -> None:
+        deadline = time.monotonic() + timeout
+        used = {}
+        while time.monotonic() < deadline:
+            used = {n: self.blocks_used(n) for n in names}
+            if not any(used.values()):
+                return
+            time.sleep(0.25)
+        raise AssertionError(f"KV blocks leaked: {used}")
+
+    def wait_router_healthy(self, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{self.url('router')}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.25)
+        raise AssertionError("router never became healthy again")
+
+
+def body(n: int, max_tokens: int = 24, stream: bool = True, seed: int = 0) -> dict:
+    rng = random.Random(seed)
+    return {
+        "prompt": [rng.randrange(3, 250) for _ in range(n)],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": stream,
+    }
+
+
+async def one(client: httpx.AsyncClient, url: str, b: dict) -> str:
+    """'ok' for a full completion, else the error the client saw (never hangs)."""
+    try:
+        async with client.stream("POST", f"{url}/v1/completions", json=b) as r:
+            if r.status_code != 200:
+                text = (await r.aread()).decode()
+                assert '"error"' in text, text  # OpenAI-style JSON error, not a crash page
+                return f"http {r.status_code}"
+            lines = [line async for line in r.aiter_lines() if line.startswith("data: ")]
+    except httpx.HTTPError as exc:
+        return f"transport {type(exc).__name__}"
+    if lines[-1] != "data: [DONE]" or any('"error"' in line for line in lines):
+        return "stream error"
+    return "ok"
+
+
+async def storm(url: str, n: int, kill=None, kill_after: float = 0.3) -> list[str]:
+    async with httpx.AsyncClient(timeout=BOUND_S) as client:
+        tasks = [
+            asyncio.ensure_future(one(client, url, body(300 + 50 * i, seed=i))) for i in range(n)
+        ]
+        if kill:
+            await asyncio.sleep(kill_after)
+            kill()
+        return list(await asyncio.wait_for(asyncio.gather(*tasks), BOUND_S + 10))
+
+
+def ok_now(url: str, n: int = 3) -> list[str]:
+    return asyncio.run(storm(url, n))
+
+
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_kill_prefill_mid_flight_then_restart(mode) -> None:
+    with Trio(mode, p_args=("--push-finish-delay", "0.5") if mode == "push" else ()) as t:
+        results = asyncio.run(storm(t.url("router"), 12, kill=lambda: t.kill("p")))
+        assert any(r != "ok" for r in results), results  # the kill hit requests in flight
+        t.wait_free(("d",))
+        t.start("p")  # same ports, new incarnation
+        t.wait_router_healthy()
+        assert ok_now(t.url("router")) == ["ok"] * 3
+        t.wait_free()
+
+
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_kill_decode_mid_flight_then_restart(mode) -> None:
+    with Trio(mode, p_args=("--kv-lease", "3")) as t:
+        results = asyncio.run(storm(t.url("router"), 12, kill=lambda: t.kill("d")))
+        assert any(r != "ok" for r in results), results
+        t.wait_free(("p",))  # holds for the dead D: write errors or lease expiry
+        t.start("d")
+        t.wait_router_healthy()
+        assert ok_now(t.url("router")) == ["ok"] * 3
+        t.wait_free()
+
+
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_prefill_restart_between_requests_is_rehandshaked(mode) -> None:
+    with Trio(mode) as t:
+        assert ok_now(t.url("router"), 2) == ["ok"] * 2
+        old = httpx.get(f"{t.url('p')}/kv/info").json()["incarnation"]
+        t.procs["p"].stop()
+        t.start("p")
+        assert httpx.get(f"{t.url('p')}/kv/info").json()["incarnation"] != old
+        t.wait_router_healthy()
+        time.sleep(1.5)  # let the router's health round refresh P's identity
+        assert ok_now(t.url("router"), 3) == ["ok"] * 3
+        t.wait_free()
+
+
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_injected_transfer_errors_fail_only_their_requests(mode) -> None:
+    side = "p_args" if mode == "push" else "d_args"  # who posts: P writes, D reads
+    with Trio(mode, **{side: ("--fault-transfer-every", "3")}) as t:
+        results = ok_now(t.url("router"), 9)
+        assert results.count("ok") == 6, results  # posts 3, 6, 9 failed, clearly
+        t.wait_free()
+        # Transient: the pair is not marked broken; the next requests (posts 10, 11) work.
+        assert ok_now(t.url("router"), 2) == ["ok"] * 2
+        t.wait_free()
+
+
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_router_killed_mid_stream_then_restarted(mode) -> None:
+    # Pull: prompts P finished for a router that died are held until their lease ends.
+    with Trio(mode, p_args=("--kv-lease", "3")) as t:
+        results = asyncio.run(storm(t.url("router"), 8, kill=lambda: t.kill("router")))
+        assert any(r.startswith("transport") for r in results), results
+        t.wait_free()  # the instances saw their client (the router) go away
+        t.start("router")
+        assert ok_now(t.url("router")) == ["ok"] * 3
+        t.wait_free()
