@@ -52,10 +52,14 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     return parser
 
 
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    """Parse a full `pdserve ...` command line (without the program name)."""
+    return build_parser(argv).parse_args(argv)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `pdserve` console script."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser(argv).parse_args(argv)
+    args = parse_args(list(sys.argv[1:] if argv is None else argv))
     return int(importlib.import_module(args._module).main(args) or 0)
 
 

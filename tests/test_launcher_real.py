@@ -49,14 +49,3 @@ def test_monolithic_cluster_serves_a_completion(tmp_path: Path) -> None:
         assert inst.alive()
         assert _complete(cluster.router_url)
     assert inst.popen.returncode is not None
-
-
-@pytest.mark.parametrize("mode", ["pull", "push"])
-def test_pd_cluster_matches_monolithic_output(tmp_path: Path, mode: str) -> None:
-    _require("--role", "--kv-transfer", "--transport")
-    with Cluster(ClusterConfig(kv_transfer=None, port=None, log_dir=tmp_path / "mono")) as mono:
-        expected = _complete(mono.router_url)
-    config = ClusterConfig(kv_transfer=mode, port=None, log_dir=tmp_path / mode)  # type: ignore[arg-type]
-    with Cluster(config) as cluster:
-        assert cluster.check_pinning() == []
-        assert _complete(cluster.router_url) == expected  # greedy: P/D == monolithic

@@ -108,6 +108,7 @@ def start(tmp_path: Path, mode: str, transport: str = "tcp", extra: tuple[str, .
 @pytest.mark.parametrize("mode", ["pull", "push"])
 def test_pd_greedy_output_equals_monolithic(tmp_path, expected, mode, transport) -> None:
     with start(tmp_path, mode, transport) as cluster:
+        assert cluster.check_pinning() == []  # P and D on their own cores, every thread
         got = asyncio.run(complete_all(cluster.router_url, prompts()))
         for i, (g, e) in enumerate(zip(got, expected, strict=True)):
             assert g == e, f"prompt {i} ({len(prompts()[i])} tokens) differs in {mode}/{transport}"

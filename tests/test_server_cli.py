@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.cli import build_parser
+from pdserve.cli import parse_args
 from pdserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, ServerConfig
 from pdserve.server.serve import API_KEY_ENV, configs_from_args
 
 
 def test_defaults_match_config_dataclasses(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(API_KEY_ENV, raising=False)
-    engine, server = configs_from_args(build_parser().parse_args(["serve"]))
+    engine, server = configs_from_args(parse_args(["serve"]))
     assert engine == EngineConfig()
     assert server == ServerConfig()
 
@@ -23,7 +23,7 @@ def test_flags_reach_the_configs(monkeypatch: pytest.MonkeyPatch) -> None:
     argv += ["--block-size", "8", "--max-num-batched-tokens", "256", "--max-num-seqs", "4"]
     argv += ["--max-prefill-chunk", "64", "--threads", "1", "--host", "0.0.0.0", "--port", "0"]
     argv += ["--served-model-name", "m", "--api-key", "k", "--log-level", "debug"]
-    engine, server = configs_from_args(build_parser().parse_args(argv))
+    engine, server = configs_from_args(parse_args(argv))
     assert engine.model == ModelConfig(model="/m", dtype="bfloat16", max_model_len=512, seed=7)
     assert engine.cache == CacheConfig(block_size=8, kv_cache_memory_gib=0.5, num_blocks=40)
     assert engine.scheduler == SchedulerConfig(
@@ -35,9 +35,9 @@ def test_flags_reach_the_configs(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_api_key_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(API_KEY_ENV, "from-env")
-    _, server = configs_from_args(build_parser().parse_args(["serve"]))
+    _, server = configs_from_args(parse_args(["serve"]))
     assert server.api_key == "from-env"
-    _, server = configs_from_args(build_parser().parse_args(["serve", "--api-key", "flag"]))
+    _, server = configs_from_args(parse_args(["serve", "--api-key", "flag"]))
     assert server.api_key == "flag"
 
 
@@ -53,13 +53,13 @@ def test_api_key_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
 )
 def test_bad_flags_exit_2(argv: list[str]) -> None:
     with pytest.raises(SystemExit) as exc:
-        build_parser().parse_args(["serve", *argv])
+        parse_args(["serve", *argv])
     assert exc.value.code == 2
 
 
 def test_help_shows_defaults(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
-        build_parser().parse_args(["serve", "--help"])
+        parse_args(["serve", "--help"])
     out = capsys.readouterr().out
     for flag in ("--model", "--kv-cache-memory", "--max-num-seqs", "--api-key", "--seed"):
         assert flag in out
