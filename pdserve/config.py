@@ -102,6 +102,7 @@ class ConnectorConfig:
     recv_timeout_s: float = 30.0  # D waits at most this long for the KV (watchdog)
     quarantine_s: float = 60.0  # D keeps fenced blocks at most this long
     handshake_timeout_s: float = 10.0
+    push_layerwise: bool = True  # P: stream each layer's KV as soon as the layer is computed
     heartbeat_s: float = 0.5  # D pings the prefill instances it waits on this often
     heartbeat_misses: int = 6  # a peer silent this many periods is declared down
     registration_ttl_s: float = 30.0  # P drops a registration nobody claims after this

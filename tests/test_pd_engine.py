@@ -222,3 +222,22 @@ def test_dead_prefill_instance_fails_waiting_requests_by_heartbeat(pair_factory,
     pair.d.check_integrity()
     if mode == "push":
         assert "stopped answering" in out.error and pair.d.connector.stats.peers_down == 1
+
+
+def test_push_streams_layer_by_layer_when_registered_before_the_last_chunk(
+    pair_factory, reference
+) -> None:
+    pair = pair_factory("push")
+    ids = prompts(3, seed=19)[2]
+    tid = "t-layers"
+    pair.submit_d("r", ids, GREEDY, pair.push_params(tid))
+    pair.run_until(lambda: tid in pair.p.connector._registered, only=pair.d)
+    pair.submit_p("r-p", ids, tid)  # the registration is already there
+    pair.run_until(lambda: pair.finished("r"))
+    assert pair.tokens("r") == reference(ids)
+    ws = pair.p.connector.writer_stats
+    assert ws.layerwise == 1 and ws.registered_first == 1
+    # one write per layer, each coalesced to one descriptor per K and V run
+    assert pair.p.connector.stats.transfers == 1
+    assert pair.p.connector.stats.descriptors >= 2 * pair.p.kv.num_layers
+    pair.settle()

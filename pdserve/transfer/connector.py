@@ -169,6 +169,10 @@ class KVConnector:
     def prefill_done(self, req: Request, first_token: int) -> KVTransferParams:
         raise NotImplementedError
 
+    def layer_hook(self, reqs: list[Request]) -> Callable[[int], None] | None:
+        """P: a per-layer callback for a step that completes these prompts, or None."""
+        return None
+
     def prefill_failed(self, req: Request, reason: str) -> None:
         """Default: nothing was promised to anyone yet."""
 

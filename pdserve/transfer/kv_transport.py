@@ -82,6 +82,10 @@ class KVTransport:
         self.transport.release(handle)
         return True, error
 
+    def send_notif(self, peer: PeerId, payload: bytes) -> None:
+        """A small message to `peer`, ordered after the transfers posted before it."""
+        self.transport.send_notif(peer, payload)
+
     def wait_notifs(self, timeout_s: float) -> list[bytes]:
         return [n.payload for n in self.transport.wait_notifs(timeout_s)]
 

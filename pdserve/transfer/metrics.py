@@ -88,6 +88,12 @@ class ConnectorCollector(Collector):
         order.add_metric(["registration"], ws.registered_first)
         order.add_metric(["prefill"], ws.finished_first)
         yield order
+        yield _counter(
+            "pdserve_push_layerwise",
+            "P: prompts written layer by layer as computed.",
+            ws.layerwise,
+            "push",
+        )
         yield GaugeMetricFamily(
             "pdserve_push_writer_queue_depth",
             "P: registrations, prompts and writes the writer holds.",

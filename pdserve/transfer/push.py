@@ -39,6 +39,7 @@ from pdserve.transfer.connector import (
     ReleaseQuarantine,
     transfer_id_of,
 )
+from pdserve.transfer.descriptors import block_descriptors
 from pdserve.transfer.params import KVTransferParams
 from pdserve.transfer.side_channel import Address
 
@@ -72,6 +73,30 @@ class _InFlight:
 
 
 @dataclass
+class _LayerReady:
+    """P engine thread -> writer: `layer` of these prompt blocks is final."""
+
+    transfer_id: str
+    layer: int
+    blocks: list[int]
+    num_tokens: int
+
+
+@dataclass
+class _Stream:
+    """Writer: a prompt whose layers are being written as they are computed."""
+
+    reg: m.PushRegistration
+    handles: list[object]
+    started: float
+    nbytes: int = 0
+    ndesc: int = 0
+    error: str | None = None
+    fin: _Finished | None = None
+    aborted: bool = False
+
+
+@dataclass
 class _Register:
     transfer_id: str
     peer: tuple[str, Address, str | None]
@@ -87,6 +112,9 @@ class PushConnector(KVConnector):
         self._outbox: queue.SimpleQueue[_Register | None] = queue.SimpleQueue()
         self._stop = threading.Event()
         self._p_of: dict[str, Address] = {}  # D: transfer id -> P's side channel
+        # P: transfer ids whose registration arrived; the engine thread reads it to decide
+        # whether a finishing prompt can be streamed layer by layer.
+        self._registered: set[str] = set()
         self.writer_stats = WriterStats()
         self._threads = [
             threading.Thread(target=self._writer_loop, name="pdserve-push-writer", daemon=True),
@@ -160,6 +188,10 @@ class PushConnector(KVConnector):
             self.report(ReleaseQuarantine(msg.transfer_id))
         elif isinstance(msg, (m.PushRegistration, m.PushAbort)):  # P
             self._inbox.put(msg)
+            if isinstance(msg, m.PushRegistration):
+                # After the put: a layer the engine streams because it saw this entry is
+                # queued behind the registration itself.
+                self._registered.add(msg.transfer_id)
 
     # == P side: engine thread ============================================================
     def prefill_done(self, req: Request, first_token: int) -> KVTransferParams:
@@ -178,11 +210,26 @@ class PushConnector(KVConnector):
     def prefill_failed(self, req: Request, reason: str) -> None:
         self._inbox.put(_PrefillFailed(transfer_id_of(req), reason))
 
+    def layer_hook(self, reqs: list[Request]):
+        """Stream the prompts already registered for, one layer at a time (engine thread)."""
+        if not self.cfg.push_layerwise or self.cfg.push_finish_delay_s:
+            return None
+        ready = [r for r in reqs if transfer_id_of(r) in self._registered]
+        if not ready:
+            return None
+        jobs = [(transfer_id_of(r), list(r.block_ids), r.num_prompt_tokens) for r in ready]
+
+        def on_layer_done(layer: int) -> None:
+            for tid, blocks, n in jobs:
+                self._inbox.put(_LayerReady(tid, layer, blocks, n))
+
+        return on_layer_done
+
     # == P side: writer thread ============================================================
     def _writer_loop(self) -> None:
         w = _WriterState()
         while not self._stop.is_set():
-            timeout = 0.001 if (w.inflight or w.delayed) else 0.05
+            timeout = 0.001 if (w.inflight or w.delayed or w.streams) else 0.05
             try:
                 item = self._inbox.get(timeout=timeout)
             except queue.Empty:
@@ -195,7 +242,9 @@ class PushConnector(KVConnector):
                 self._writer_expire(w, time.monotonic())
             except Exception:
                 log.exception("push writer step failed")
-            self.writer_stats.queue_depth = len(w.regs) + len(w.finished) + len(w.inflight)
+            self.writer_stats.queue_depth = (
+                len(w.regs) + len(w.finished) + len(w.inflight) + len(w.streams)
+            )
 
     def _writer_take(self, w: _WriterState, item: object) -> None:
         now = time.monotonic()
@@ -205,21 +254,31 @@ class PushConnector(KVConnector):
             item.ready_at = max(item.ready_at, now)
             (w.delayed if item.ready_at > now else w.finished)[item.transfer_id] = item
         elif isinstance(item, _PrefillFailed):
-            w.failed[item.transfer_id] = (item.reason, now + self.cfg.registration_ttl_s)
+            stream = w.streams.get(item.transfer_id)
+            if stream is not None:  # D is told once the layer writes in flight are done
+                stream.error = stream.error or item.reason
+            else:
+                w.failed[item.transfer_id] = (item.reason, now + self.cfg.registration_ttl_s)
         elif isinstance(item, m.PushAbort):
             self._writer_abort(w, item)
+        elif isinstance(item, _LayerReady):
+            self._post_layer(w, item)
 
     def _writer_pair(self, w: _WriterState) -> None:
         now = time.monotonic()
         for tid in [t for t, f in w.delayed.items() if f.ready_at <= now]:
             w.finished[tid] = w.delayed.pop(tid)
+        for tid in [t for t in w.finished if t in w.streams]:
+            w.streams[tid].fin = w.finished.pop(tid)
         for tid in list(w.regs):
             reg, t_reg = w.regs[tid]
             if tid in w.failed:
                 del w.regs[tid]
+                self._registered.discard(tid)
                 self._fail_remote(reg, w.failed.pop(tid)[0])
             elif tid in w.finished:
                 del w.regs[tid]
+                self._registered.discard(tid)
                 fin = w.finished.pop(tid)
                 if t_reg <= fin.ready_at:
                     self.writer_stats.registered_first += 1
@@ -259,7 +318,82 @@ class PushConnector(KVConnector):
                 return
         self.report(ReleaseHold(fin.transfer_id, "write not possible"))
 
+    def _post_layer(self, w: _WriterState, item: _LayerReady) -> None:
+        """Write one finished layer of a registered prompt (no notification yet)."""
+        stream = w.streams.get(item.transfer_id)
+        if stream is None:
+            self._registered.discard(item.transfer_id)
+            entry = w.regs.pop(item.transfer_id, None)
+            if entry is None:  # aborted or expired meanwhile: nothing to stream
+                return
+            self.writer_stats.registered_first += 1
+            self.writer_stats.match_wait_s += time.monotonic() - entry[1]
+            stream = w.streams[item.transfer_id] = _Stream(entry[0], [], time.monotonic())
+        reg = stream.reg
+        peer = self.known_peer(reg.engine_id, reg.incarnation)
+        if stream.error or stream.aborted or peer is None:
+            stream.error = stream.error or "unknown decode instance"
+            return
+        if len(reg.block_ids) != len(item.blocks) or reg.num_tokens != item.num_tokens:
+            stream.error = "decode registered a different prompt size"
+            return
+        local, remote = block_descriptors(
+            self.kv, peer.num_blocks, item.blocks, reg.block_ids, layers=[item.layer]
+        )
+        try:
+            stream.handles.append(self.post_transfer("write", peer, local, remote, None))
+        except Exception as exc:
+            stream.error = f"could not post the KV write of layer {item.layer}: {exc}"
+            return
+        stream.nbytes += sum(n for _, n in local)
+        stream.ndesc += len(local)
+
+    def _writer_poll_streams(self, w: _WriterState) -> None:
+        """A stream ends once its prompt finished and every layer write did."""
+        for tid in list(w.streams):
+            st = w.streams[tid]
+            pending = []
+            for h in st.handles:
+                done, error = self.transfer_state(h)
+                if not done:
+                    pending.append(h)
+                elif error:
+                    st.error = st.error or f"KV write failed: {error}"
+            st.handles = pending
+            if pending or (st.fin is None and not st.aborted and not st.error):
+                continue
+            del w.streams[tid]
+            if st.fin is None:  # a prompt still to come is released as soon as it arrives
+                w.aborted[tid] = time.monotonic() + self.cfg.registration_ttl_s
+            self._end_stream(st)
+
+    def _end_stream(self, st: _Stream) -> None:
+        tid = st.reg.transfer_id
+        if st.fin is not None:
+            self.report(ReleaseHold(tid, "layer-wise write finished"))
+        if st.aborted:
+            self.side.send(tuple(st.reg.reply_to), m.PushAbortAck(transfer_id=tid))
+        elif st.error:
+            self._fail_remote(st.reg, st.error)
+        else:
+            assert st.fin is not None
+            done = m.PushDone(
+                transfer_id=tid,
+                first_token_id=st.fin.first_token_id,
+                prefill_done_time=st.fin.done_time,
+            )
+            peer = self.known_peer(st.reg.engine_id, st.reg.incarnation)
+            try:
+                # Every layer's write is DONE: the notification now follows all the data.
+                self.transport.send_notif(peer.transport_peer, m.encode(done))
+            except Exception as exc:
+                self._fail_remote(st.reg, f"could not notify the decode instance: {exc}")
+                return
+            self.writer_stats.layerwise += 1
+            self.count_transfer(st.nbytes, st.ndesc, time.monotonic() - st.started)
+
     def _writer_poll(self, w: _WriterState) -> None:
+        self._writer_poll_streams(w)
         for tid in list(w.inflight):
             f = w.inflight[tid]
             done, error = self.transfer_state(f.handle)
@@ -276,8 +410,15 @@ class PushConnector(KVConnector):
 
     def _writer_abort(self, w: _WriterState, msg: m.PushAbort) -> None:
         tid = msg.transfer_id
+        self._registered.discard(tid)
         if tid in w.inflight:
             w.inflight[tid].aborted = True  # acknowledged when the transport is done
+            return
+        if tid in w.streams:
+            w.streams[tid].aborted = True  # acknowledged when its layer writes are done
+            fin = w.finished.pop(tid, None) or w.delayed.pop(tid, None)
+            if fin is not None:
+                w.streams[tid].fin = fin
             return
         w.regs.pop(tid, None)
         fin = w.finished.pop(tid, None) or w.delayed.pop(tid, None)
@@ -293,6 +434,7 @@ class PushConnector(KVConnector):
             self.report(ReleaseHold(tid, "decode aborted"))
         for tid in [t for t, (_, t0) in w.regs.items() if now - t0 > self.cfg.registration_ttl_s]:
             reg, _ = w.regs.pop(tid)
+            self._registered.discard(tid)
             self.stats.registrations_expired += 1
             self._fail_remote(reg, "the prompt never finished on the prefill instance")
         for tid in [t for t, f in w.finished.items() if now - f.ready_at > self.cfg.lease_s]:
@@ -330,6 +472,7 @@ class _WriterState:
         self.failed: dict[str, tuple[str, float]] = {}
         self.aborted: dict[str, float] = {}
         self.inflight: dict[str, _InFlight] = {}
+        self.streams: dict[str, _Stream] = {}
 
 
 class WriterStats(msgspec.Struct):
@@ -338,5 +481,6 @@ class WriterStats(msgspec.Struct):
     registered_first: int = 0
     finished_first: int = 0
     match_wait_s: float = 0.0
+    layerwise: int = 0  # prompts written layer by layer
     queue_depth: int = 0
     failures_by_cause: dict[str, int] = msgspec.field(default_factory=dict)
