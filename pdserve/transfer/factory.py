@@ -84,6 +84,13 @@ def add_transfer_arguments(parser: argparse.ArgumentParser) -> None:
         help="a transfer to an unresponsive peer fails after this many seconds "
         "(default: %(default)s)",
     )
+    g.add_argument(
+        "--no-push-layerwise",
+        dest="push_layerwise",
+        action="store_false",
+        help="push: write a prompt's KV in one go after prefill instead of layer by "
+        "layer as each layer finishes",
+    )
     g.add_argument("--push-register-delay", type=float, default=0.0, help=argparse.SUPPRESS)
     g.add_argument("--push-finish-delay", type=float, default=0.0, help=argparse.SUPPRESS)
     g.add_argument("--fault-transfer-every", type=int, default=0, help=argparse.SUPPRESS)
@@ -102,6 +109,7 @@ def connector_config(args: argparse.Namespace) -> ConnectorConfig:
         push_register_delay_s=args.push_register_delay,
         push_finish_delay_s=args.push_finish_delay,
         fault_transfer_every=args.fault_transfer_every,
+        push_layerwise=args.push_layerwise,
     )
 
 
