@@ -60,11 +60,15 @@ def is_substantive(event: bytes) -> bool:
 def _choice_has_output(choice: Any) -> bool:
     if not isinstance(choice, dict):
         return True
-    if choice.get("text") or choice.get("finish_reason"):
+    # Completions: instances send one event per step with tokens, even when the tokens end
+    # mid-character and the text is still empty: each is output (TTFT counts from it).
+    if "text" in choice or choice.get("finish_reason"):
         return True
     delta = choice.get("delta")
-    # Anything in a chat delta but the role (content, tool calls, reasoning) is output.
-    return isinstance(delta, dict) and any(v for k, v in delta.items() if k != "role")
+    if not isinstance(delta, dict):
+        return False
+    # Chat: only the opening role-only delta is not output; token events carry no role.
+    return not delta.get("role") or any(v for k, v in delta.items() if k != "role")
 
 
 class EventAnnotator:
