@@ -99,13 +99,16 @@ class ConnectorConfig:
     side_port: int = 0
     cluster_token: str | None = None
     lease_s: float = 30.0  # P holds finished blocks at most this long
-    recv_timeout_s: float = 30.0  # D waits at most this long for the KV (watchdog)
+    # D waits at most this long for the KV (watchdog). Push reserves D's blocks while P's
+    # queue drains, so this bounds lost transfers, not queueing; dead peers are caught by
+    # the heartbeat within seconds.
+    recv_timeout_s: float = 120.0
     quarantine_s: float = 60.0  # D keeps fenced blocks at most this long
     handshake_timeout_s: float = 10.0
     push_layerwise: bool = True  # P: stream each layer's KV as soon as the layer is computed
     heartbeat_s: float = 0.5  # D pings the prefill instances it waits on this often
     heartbeat_misses: int = 6  # a peer silent this many periods is declared down
-    registration_ttl_s: float = 30.0  # P drops a registration nobody claims after this
+    registration_ttl_s: float = 30.0  # P drops a registration with no prompt alive after this
     # Tests force an arrival order with these: D delays its registration; P delays handing
     # a finished prompt to the writer.
     push_register_delay_s: float = 0.0

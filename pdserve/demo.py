@@ -1,81 +1,67 @@
-"""`make demo`: start one instance on the built-in model, stream a chat completion, stop it.
+"""`make demo`: pull vs push on this machine in a few minutes, with a table and plots.
 
-Until P/D serving lands this exercises the monolithic path end to end: a real
-`pdserve serve` process, the official `openai` client, streaming, TTFT and tokens/s.
+A small `pdserve bench sweep` on the built-in `builtin:small` model: 1 prefill + 1 decode
+instance pinned to their own cores behind the router, one cluster with pull and one with
+push KV transfer (`--monolithic` adds the single-instance floor), at 2 input lengths x 2
+request rates. Both clusters stay up and the modes take turns at each point, so that other
+jobs on the machine weigh on both alike. The grid goes from a lightly loaded prefill
+instance (1024 tokens at 0.5 req/s) to a saturated one (4096 tokens at 2 req/s); the
+table's "P util" column says how loaded each point is. Results, `sweep.md` and the plots
+go to `results/demo/`.
+
+The numbers are one run on a small shared machine: compare push with pull at the same
+point (the ratio table), not with other runs. `pdserve bench sweep --help` runs bigger
+grids; docs/benchmarks.md has a full sweep.
 """
 
 from __future__ import annotations
 
-import socket
-import subprocess
+import argparse
+import shlex
 import sys
-import time
+from pathlib import Path
 
-import httpx
-from openai import OpenAI
+from pdserve.bench.sweep import SweepConfig, sweep_and_report
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+DEMO_DIR = Path("results/demo")
 
 
-def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 180.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with code {proc.returncode}")
-        try:
-            if httpx.get(f"{url}/health", timeout=1.0).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    raise TimeoutError(f"server at {url} not healthy after {timeout:.0f} s")
-
-
-def stream_chat(url: str) -> None:
-    client = OpenAI(base_url=f"{url}/v1", api_key="none")
-    model = client.models.list().data[0].id
-    t0 = time.perf_counter()
-    ttft, n = None, 0
-    stream = client.chat.completions.create(
-        model=model,
-        messages=[{"role": "user", "content": "Tell me about disaggregated serving."}],
-        max_tokens=64,
-        temperature=0,
-        stream=True,
-        stream_options={"include_usage": True},
+def demo_config(out_dir: Path = DEMO_DIR, monolithic: bool = False) -> SweepConfig:
+    """The demo's grid: about 2 minutes per mode on 2 cores, plus ~30 s of set-up."""
+    return SweepConfig(
+        out_dir=out_dir,
+        input_lens=(1024, 4096),
+        rates=(0.5, 2.0),
+        modes=("pull", "push", "monolithic") if monolithic else ("pull", "push"),
+        output_len=32,
+        num_prompts=16,
+        model="builtin:small",
+        seed=0,
+        interleave=True,  # both clusters up, modes alternating: fairer on a shared machine
+        disable_tqdm=not sys.stderr.isatty(),  # the bars would clutter a log
     )
-    print("assistant: ", end="", flush=True)
-    for chunk in stream:
-        if chunk.choices and chunk.choices[0].delta.content:
-            ttft = ttft or time.perf_counter() - t0
-            print(chunk.choices[0].delta.content, end="", flush=True)
-        if chunk.usage:
-            n = chunk.usage.completion_tokens
-    total = time.perf_counter() - t0
-    print(f"\n\nmodel {model}: {n} tokens, TTFT {1000 * (ttft or total):.1f} ms, ", end="")
-    print(f"{n / max(total - (ttft or 0), 1e-9):.1f} tokens/s after the first")
 
 
-def main() -> int:
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "pdserve", "serve", "--port", str(port)]
-    print(f"starting: {' '.join(cmd)}")
-    proc = subprocess.Popen(cmd)
-    try:
-        wait_healthy(url, proc)
-        stream_chat(url)
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-    return 0
+def main(argv: list[str] | None = None) -> int:
+    """Run the demo sweep; 0 when every point ran (failed requests show in the table)."""
+    parser = argparse.ArgumentParser(prog="python -m pdserve.demo", description=__doc__)
+    parser.add_argument("--out-dir", type=Path, default=DEMO_DIR)
+    parser.add_argument("--monolithic", action="store_true", help="add the monolithic floor")
+    argv = sys.argv[1:] if argv is None else argv
+    args = parser.parse_args(argv)
+    cfg = demo_config(args.out_dir, args.monolithic)
+    print(
+        f"pdserve demo: {' vs '.join(cfg.modes)} on {cfg.model}, input lengths "
+        f"{list(cfg.input_lens)}, rates {list(cfg.rates)} req/s, {cfg.num_prompts} prompts "
+        f"per point; results in {cfg.out_dir}/"
+    )
+    command = shlex.join(["python", "-m", "pdserve.demo", *argv])
+    manifest, files = sweep_and_report(cfg, command, print)
+    if manifest.interrupted:
+        return 130
+    print(f"\ntable: {files.markdown}")
+    # Failed requests are results (the table shows them); a point that could not run is not.
+    return 0 if all(p.error is None for p in manifest.points) else 1
 
 
 if __name__ == "__main__":

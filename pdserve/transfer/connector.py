@@ -149,6 +149,8 @@ class KVConnector:
         self.holds: dict[str, _Hold] = {}  # engine thread only
         self.quarantine: dict[str, _Quarantine] = {}  # engine thread only
         self.receiving: dict[str, Request] = {}  # transfer id -> D request (engine thread)
+        # P: transfer ids of prompts alive in this engine (engine thread writes, writer reads)
+        self.prompts_alive: set[str] = set()
         self.stats = ConnectorStats()
         self._watched: frozenset[Address] = frozenset()  # peers we wait on (engine thread)
         self._pongs: dict[Address, float] = {}

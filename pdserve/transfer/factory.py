@@ -73,7 +73,7 @@ def add_transfer_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--kv-recv-timeout",
         type=float,
-        default=30.0,
+        default=120.0,
         help="decode: seconds to wait for a prompt's KV before failing the "
         "request (default: %(default)s)",
     )

@@ -432,7 +432,12 @@ class PushConnector(KVConnector):
         for tid in [t for t, f in w.finished.items() if t in w.aborted]:
             w.finished.pop(tid)
             self.report(ReleaseHold(tid, "decode aborted"))
-        for tid in [t for t, (_, t0) in w.regs.items() if now - t0 > self.cfg.registration_ttl_s]:
+        ttl = self.cfg.registration_ttl_s
+        # A registration whose prompt is still queued or computing here is not orphaned:
+        # under load P's queue can be longer than any fixed TTL.
+        for tid in [
+            t for t, (_, t0) in w.regs.items() if now - t0 > ttl and t not in self.prompts_alive
+        ]:
             reg, _ = w.regs.pop(tid)
             self._registered.discard(tid)
             self.stats.registrations_expired += 1
