@@ -30,7 +30,8 @@ def test_pull_forwards_prefill_params_to_decode() -> None:
     (p_req,), (d_req,) = p.received, d.received
     assert p_req.body["max_tokens"] == 1 and p_req.body["stream"] is False
     assert "stream_options" not in p_req.body
-    assert p_req.params == {"do_remote_decode": True, "transfer_mode": "pull"}
+    tid = p_req.params["transfer_id"]
+    assert p_req.params == {"do_remote_decode": True, "transfer_mode": "pull", "transfer_id": tid}
     assert p_req.headers["x-request-id"] == d_req.headers["x-request-id"] == "abc"
     # D gets the client's request unchanged, plus everything P returned.
     assert {k: v for k, v in d_req.body.items() if k != "kv_transfer_params"} == body

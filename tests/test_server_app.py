@@ -25,7 +25,7 @@ from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.engine.types import EngineRequest, EngineStats, FinishReason, RequestOutput
 from pdserve.server.app import create_app
-from pdserve.transfer.params import KVTransferParams
+from pdserve.transfer.params import InstanceLimits, KVTransferParams
 
 EOS = 256
 VOCAB = 257
@@ -76,6 +76,9 @@ class FakeEngine:
 
     def poll_connector(self) -> list[RequestOutput]:
         return []
+
+    def instance_limits(self) -> InstanceLimits:
+        return InstanceLimits(role="prefill", mode="pull", block_size=BLOCK_SIZE, vocab_size=VOCAB)
 
     def close(self) -> None:
         pass

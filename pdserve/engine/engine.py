@@ -23,8 +23,14 @@ from pdserve.engine.types import EngineRequest, EngineStats, FinishReason, Reque
 from pdserve.kv.block_pool import BlockPool
 from pdserve.kv.cache import KVCache, num_blocks_for_budget
 from pdserve.model.loader import LoadedModel, load_model
-from pdserve.transfer.connector import KVConnector, KVReady
-from pdserve.transfer.params import KVTransferParams
+from pdserve.transfer.connector import KVConnector, KVReady, transfer_id_of
+from pdserve.transfer.params import (
+    InstanceLimits,
+    InvalidKVTransferParams,
+    KVTransferParams,
+    check_for_instance,
+    check_remote_blocks,
+)
 
 ConnectorFactory = Callable[[KVCache, BlockPool, LoadedModel], KVConnector]
 
@@ -80,10 +86,14 @@ class LLMEngine:
         detok = IncrementalDetokenizer(self.tokenizer, er.params.stop)
         req = Request(er, detok)
         self.requests[req.request_id] = req
+        if self.connector is not None and req.is_remote_decode:
+            self.connector.prompts_alive.add(transfer_id_of(req))
         self.scheduler.add(req)
         return []
 
     def _validate(self, er: EngineRequest) -> str | None:
+        """Why `er` can never run here, or None. The HTTP layer checks the same first (to
+        answer 400); this is the authority, and the only check for in-process callers."""
         if er.request_id in self.requests:
             return f"request id {er.request_id!r} is already in use"
         total = len(er.prompt_token_ids) + er.params.max_tokens
@@ -96,18 +106,43 @@ class LLMEngine:
         if blocks_needed(total, self.kv.block_size) > self.pool.num_blocks:
             return f"prompt + max_tokens = {total} tokens do not fit in the KV cache"
         p = er.kv_transfer
-        if p and (p.do_remote_prefill or p.do_remote_decode) and self.connector is None:
-            return "kv_transfer_params given, but this instance runs without a KV connector"
-        if (
-            p
-            and p.do_remote_prefill
-            and p.remote_num_tokens not in (None, len(er.prompt_token_ids))
-        ):
-            return (
-                f"the prefill instance computed {p.remote_num_tokens} prompt tokens, "
-                f"this request has {len(er.prompt_token_ids)}"
-            )
+        if p is None or not (p.do_remote_prefill or p.do_remote_decode):
+            return None
+        try:
+            check_for_instance(p, self.instance_limits(), len(er.prompt_token_ids))
+            self._check_transfer_free(p.transfer_id or er.request_id)
+            peer = None
+            if p.do_remote_prefill and p.remote_engine_id and p.remote_incarnation:
+                peer = self.connector.known_peer(p.remote_engine_id, p.remote_incarnation)
+            if peer is not None and p.transfer_mode == "pull":
+                check_remote_blocks(p, peer.num_blocks)
+        except InvalidKVTransferParams as exc:
+            return str(exc)
         return None
+
+    def instance_limits(self) -> InstanceLimits:
+        """This engine's side of a P/D pair, for checking `kv_transfer_params`."""
+        c = self.connector
+        return InstanceLimits(
+            role=c.cfg.role if c else "both",
+            mode=c.cfg.mode if c else None,
+            block_size=self.kv.block_size,
+            vocab_size=self.tokenizer.vocab_size,
+        )
+
+    def _check_transfer_free(self, tid: str) -> None:
+        """A transfer id names one transfer until its blocks are back: a second request
+        with it would overwrite the first one's hold, receive slot or quarantine."""
+        c = self.connector
+        assert c is not None
+        busy = tid in c.holds or tid in c.quarantine or tid in c.receiving
+        busy = busy or any(
+            r.kv_transfer is not None and transfer_id_of(r) == tid for r in self.requests.values()
+        )
+        if busy:
+            raise InvalidKVTransferParams(
+                f"kv_transfer_params.transfer_id {tid!r} is in use by a transfer in flight"
+            )
 
     def abort_request(self, request_id: str) -> list[RequestOutput]:
         """Abort a request wherever it is; frees its blocks. Unknown ids are ignored."""
@@ -143,11 +178,18 @@ class LLMEngine:
         if not sched.seqs:
             return []
         try:
-            sampled = self.runner.execute(sched.seqs)
+            sampled = self.runner.execute(sched.seqs, self._layer_hook(sched))
         except Exception as exc:  # one bad batch must not kill the instance
             log.exception("engine step failed; failing its %d requests", len(sched.seqs))
             return [self._fail(s.request, f"engine step failed: {exc}") for s in sched.seqs]
         return self._update(sched, sampled)
+
+    def _layer_hook(self, sched: SchedulerOutput) -> Callable[[int], None] | None:
+        """P (layer-wise push): stream each layer of prompts finishing in this step."""
+        if self.connector is None:
+            return None
+        last = [s.request for s in sched.seqs if s.samples and s.request.is_remote_decode]
+        return self.connector.layer_hook(last) if last else None
 
     def _fail(self, req: Request, message: str) -> RequestOutput:
         out = self._finish(req, FinishReason.ERROR)
@@ -202,6 +244,7 @@ class LLMEngine:
         """P/D: give the request's blocks to the connector before the request ends."""
         if self.connector is None:
             return None
+        self.connector.prompts_alive.discard(transfer_id_of(req))
         if req.state is RequestState.WAITING_FOR_REMOTE_KV:
             self.connector.cancel_receive(req)
         elif req.is_remote_decode and reason in (FinishReason.STOP, FinishReason.LENGTH):

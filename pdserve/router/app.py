@@ -16,10 +16,10 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
-import uuid
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from http import HTTPStatus
 from typing import Any
 
 import httpx
@@ -31,7 +31,9 @@ from pdserve.router.config import RouterConfig
 from pdserve.router.dispatch import Call, Dispatcher, cancel_and_wait
 from pdserve.router.health import HealthMonitor, Instance, InstancePool
 from pdserve.router.metrics import RouterMetrics
+from pdserve.server.body_limit import BodySizeLimit
 from pdserve.server.errors import APIError, bad_request, install_error_handlers
+from pdserve.server.request_ids import request_id_of
 
 CLIENT_CLOSED_REQUEST = 499  # nginx's code; nobody reads it, it only reaches the access log
 
@@ -78,6 +80,7 @@ def create_app(config: RouterConfig) -> FastAPI:
 
     app = FastAPI(title="pdserve router", lifespan=lifespan)
     install_error_handlers(app)
+    app.add_middleware(BodySizeLimit, max_bytes=config.max_body_bytes)
     _add_routes(app, config)
     return app
 
@@ -106,7 +109,8 @@ def _add_routes(app: FastAPI, config: RouterConfig) -> None:
         body, content_type = _state(request).metrics.render()
         return Response(body, media_type=content_type)
 
-    @app.get("/router/instances")
+    # Instance addresses and side channels are internal: behind the key like /v1/*.
+    @app.get("/router/instances", dependencies=auth)
     async def instances(request: Request) -> Response:
         return JSONResponse([_describe(i) for i in _state(request).pool.instances])
 
@@ -121,7 +125,11 @@ def _api_key_checker(api_key: str | None) -> Any:
             return
         given = request.headers.get("authorization", "").encode()
         if not secrets.compare_digest(given, f"Bearer {api_key}".encode()):
-            raise APIError(401, "Invalid or missing API key (Authorization: Bearer ...)")
+            raise APIError(
+                HTTPStatus.UNAUTHORIZED,
+                "Missing or invalid API key: send 'Authorization: Bearer <key>'.",
+                code="invalid_api_key",
+            )
 
     return check
 
@@ -132,7 +140,7 @@ async def _generate(request: Request, path: str) -> Response:
         path=path,
         body=body,
         stream=body.get("stream") is True,
-        request_id=request.headers.get("x-request-id") or uuid.uuid4().hex,
+        request_id=request_id_of(request.headers),
         arrival=time.monotonic(),
     )
     response = await until_disconnect(request, _state(request).dispatcher.dispatch(call))

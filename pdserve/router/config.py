@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from pdserve.server.body_limit import MAX_BODY_BYTES
+
 TransferMode = Literal["pull", "push"]
 PolicyName = Literal["round_robin", "least_loaded"]
 POLICY_NAMES: tuple[PolicyName, ...] = ("round_robin", "least_loaded")
@@ -32,6 +34,7 @@ class RouterConfig:
     # HTTP/1.1 needs one connection per concurrent stream, so the pool must not be the limit.
     max_connections: int = 10_000
     max_keepalive_connections: int = 1_000
+    max_body_bytes: int = MAX_BODY_BYTES  # a larger client body gets a 413
 
     def __post_init__(self) -> None:
         if not self.prefill_urls or not self.decode_urls:

@@ -1,8 +1,9 @@
 """P/D dispatch: the prefill and decode legs of one client request, in pull or push mode.
 
 Pull (sequential): P gets the prompt with `max_tokens=1` and `{do_remote_decode,
-transfer_mode="pull"}`; the `kv_transfer_params` of P's answer, plus `do_remote_prefill`,
-go to D with the client's original request; D's answer goes to the client unchanged.
+transfer_mode="pull", transfer_id}` (a fresh id); the `kv_transfer_params` of P's answer,
+plus `do_remote_prefill`, go to D with the client's original request; D's answer goes to
+the client unchanged.
 
 Push (concurrent): P and D are picked up front and a `transfer_id` made; both legs start
 at once as tasks. D's leg carries P's engine id and side channel (from P's `/kv/info`).
@@ -163,10 +164,11 @@ class Dispatcher:
         if not self._pool.admitted("decode"):  # don't spend a prefill nobody can decode
             raise _no_instance("decode")
         p = self._acquire("prefill")
+        # A fresh transfer id: without one P would use the request id, and a client reusing
+        # its X-Request-Id would collide with the previous request's hold on P.
+        params = {"do_remote_decode": True, "transfer_mode": "pull", "transfer_id": _new_tid()}
         try:
-            result = await self._prefill(
-                p, call, {"do_remote_decode": True, "transfer_mode": "pull"}
-            )
+            result = await self._prefill(p, call, params)
         finally:
             self._pool.release(p)
         if result.params is None:
@@ -190,7 +192,7 @@ class Dispatcher:
         if d is None:
             self._pool.release(p)
             raise _no_instance("decode")
-        p_params, d_params = push_params(p, uuid.uuid4().hex)
+        p_params, d_params = push_params(p, _new_tid())
         p_task = asyncio.create_task(self._prefill(p, call, p_params))
         p_task.add_done_callback(lambda _: self._pool.release(p))
         d_task = asyncio.create_task(self._open_decode(d, call, d_params))
@@ -491,6 +493,10 @@ def _prefill_done_time(p_task: asyncio.Task[PrefillResult]) -> float | None:
     if not p_task.done() or p_task.cancelled() or p_task.exception() is not None:
         return None
     return p_task.result().prefill_done_time
+
+
+def _new_tid() -> str:
+    return uuid.uuid4().hex
 
 
 def _no_instance(role: Role, need_push_info: bool = False) -> APIError:

@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from http import HTTPStatus
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from fastapi import APIRouter, Depends, FastAPI, Header, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -30,10 +29,12 @@ from pdserve import __version__
 from pdserve.config import ServerConfig
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.types import EngineRequest, FinishReason, RequestOutput
-from pdserve.server.errors import APIError, bad_request, install_error_handlers
+from pdserve.server.body_limit import MAX_BODY_BYTES, BodySizeLimit
+from pdserve.server.errors import APIError, install_error_handlers
 from pdserve.server.kv_routes import kv_routes
 from pdserve.server.metrics import RequestCountMiddleware, ServerMetrics
 from pdserve.server.protocol import ChatCompletionRequest, CompletionRequest, ModelList
+from pdserve.server.request_ids import REQUEST_ID_HEADER, request_id_of
 from pdserve.server.responses import ChatFormat, CompletionFormat, ResponseFormat
 from pdserve.server.serving import (
     COMPLETION_DEFAULT_MAX_TOKENS,
@@ -42,6 +43,7 @@ from pdserve.server.serving import (
     finish_error,
     kv_transfer_params_of,
 )
+from pdserve.server.transfers import TransferClaim, TransferGate
 from pdserve.transfer.metrics import ConnectorCollector
 
 log = logging.getLogger(__name__)
@@ -50,8 +52,6 @@ T = TypeVar("T")
 
 COMPLETIONS_PATH = "/v1/completions"
 CHAT_PATH = "/v1/chat/completions"
-REQUEST_ID_HEADER = "X-Request-Id"
-_REQUEST_ID_RE = re.compile(r"[\x21-\x7e]{1,128}")  # printable ASCII, no spaces
 # nginx's code for "client closed request": only ever seen in logs and metrics.
 _CLIENT_CLOSED = 499
 
@@ -68,7 +68,9 @@ def create_app(async_engine: AsyncEngine, cfg: ServerConfig) -> FastAPI:
     app.add_middleware(
         RequestCountMiddleware, metrics=metrics, endpoints=frozenset({COMPLETIONS_PATH, CHAT_PATH})
     )
-    app.include_router(_api_routes(serving, cfg.api_key))
+    app.add_middleware(BodySizeLimit, max_bytes=MAX_BODY_BYTES)
+    gate = TransferGate(async_engine.engine)
+    app.include_router(_api_routes(serving, gate, cfg.api_key))
     app.include_router(_ops_routes(serving, metrics))
     app.include_router(kv_routes(async_engine))
     if async_engine.engine.connector is not None:
@@ -76,7 +78,7 @@ def create_app(async_engine: AsyncEngine, cfg: ServerConfig) -> FastAPI:
     return app
 
 
-def _api_routes(serving: OpenAIServing, api_key: str | None) -> APIRouter:
+def _api_routes(serving: OpenAIServing, gate: TransferGate, api_key: str | None) -> APIRouter:
     deps = [Depends(_bearer_auth(api_key))] if api_key else []
     api = APIRouter(prefix="/v1", dependencies=deps)
 
@@ -90,12 +92,14 @@ def _api_routes(serving: OpenAIServing, api_key: str | None) -> APIRouter:
         prompt = serving.completion_prompt(body)
         max_tokens = serving.max_tokens(body.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS, len(prompt))
         params = serving.sampling_params(body, max_tokens)
-        rid = _request_id(request)
+        rid = request_id_of(request.headers)
         er = build_engine_request(f"cmpl-{rid}", prompt, params, body.kv_transfer_params)
+        claim = gate.admit(er)
         fmt = CompletionFormat(
             er.request_id, serving.model_name, len(prompt), body.return_token_ids
         )
-        return await _respond(request, serving, er, fmt, body.stream, _usage_wanted(body), rid)
+        usage = _usage_wanted(body)
+        return await _respond(request, serving, er, fmt, body.stream, usage, rid, claim)
 
     @api.post("/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
@@ -104,10 +108,12 @@ def _api_routes(serving: OpenAIServing, api_key: str | None) -> APIRouter:
         requested = body.max_completion_tokens or body.max_tokens
         max_tokens = serving.max_tokens(requested, None, len(prompt))
         params = serving.sampling_params(body, max_tokens)
-        rid = _request_id(request)
+        rid = request_id_of(request.headers)
         er = build_engine_request(f"chatcmpl-{rid}", prompt, params, body.kv_transfer_params)
+        claim = gate.admit(er)
         fmt = ChatFormat(er.request_id, serving.model_name, len(prompt))
-        return await _respond(request, serving, er, fmt, body.stream, _usage_wanted(body), rid)
+        usage = _usage_wanted(body)
+        return await _respond(request, serving, er, fmt, body.stream, usage, rid, claim)
 
     return api
 
@@ -143,19 +149,6 @@ def _bearer_auth(api_key: str) -> Callable[..., Awaitable[None]]:
     return check
 
 
-def _request_id(request: Request) -> str:
-    """The client's X-Request-Id if it sent a usable one, else a fresh random id."""
-    given = request.headers.get(REQUEST_ID_HEADER)
-    if given is None:
-        return secrets.token_hex(16)
-    if not _REQUEST_ID_RE.fullmatch(given):
-        raise bad_request(
-            f"{REQUEST_ID_HEADER} must be 1-128 printable ASCII characters without spaces.",
-            param=REQUEST_ID_HEADER,
-        )
-    return given
-
-
 def _usage_wanted(body: CompletionRequest | ChatCompletionRequest) -> bool:
     return body.stream_options is not None and body.stream_options.include_usage
 
@@ -168,14 +161,25 @@ async def _respond(
     stream: bool,
     include_usage: bool,
     rid: str,
+    claim: TransferClaim | None,
 ) -> Response:
+    """The response for an admitted request; `claim` (a P/D leg's transfer id) is released
+    once the response has ended, whichever way (see pdserve.server.transfers)."""
+    release = claim.release if claim is not None else _nothing
     headers = {REQUEST_ID_HEADER: rid}
     timer = serving.metrics.timer(len(er.prompt_token_ids))
     if stream:
-        serving.check_alive()
+        try:
+            serving.check_alive()
+        except APIError:
+            release()
+            raise
         events = _sse_events(serving, serving.stream(er, timer), fmt, include_usage)
-        return _SSEResponse(events, media_type="text/event-stream", headers=headers)
-    gen = await _until_disconnected(request, serving.generate(er, timer))
+        return _SSEResponse(events, release, media_type="text/event-stream", headers=headers)
+    try:
+        gen = await _until_disconnected(request, serving.generate(er, timer))
+    finally:
+        release()
     if gen is None:
         log.info("%s: client disconnected, request aborted", er.request_id)
         return Response(status_code=_CLIENT_CLOSED)
@@ -229,15 +233,29 @@ def _sse(payload: BaseModel | dict) -> str:
 
 class _SSEResponse(StreamingResponse):
     """A StreamingResponse that always closes its event iterator, so that a disconnect
-    detected by a failed send (not only by Starlette's cancellation) aborts the request."""
+    detected by a failed send (not only by Starlette's cancellation) aborts the request,
+    and then calls `on_close` (releases what the request held in the app)."""
+
+    def __init__(
+        self, content: AsyncIterator[str], on_close: Callable[[], None], **kw: Any
+    ) -> None:
+        super().__init__(content, **kw)
+        self._on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            aclose = getattr(self.body_iterator, "aclose", None)
-            if aclose is not None:
-                await aclose()
+            try:
+                aclose = getattr(self.body_iterator, "aclose", None)
+                if aclose is not None:
+                    await aclose()
+            finally:
+                self._on_close()
+
+
+def _nothing() -> None:
+    pass
 
 
 async def _until_disconnected(request: Request, work: Awaitable[T]) -> T | None:

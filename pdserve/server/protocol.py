@@ -8,23 +8,34 @@ are declared so that setting them gets a clear 400 instead of being silently dro
 
 Extensions beyond OpenAI's API (vLLM spells them the same): `top_k`, `ignore_eos`,
 `stop_token_ids`, and `kv_transfer_params` (P/D disaggregation, echoed back in responses).
+
+Limits: at most 64 stop strings of at most 1,000 characters each, at most 1,024
+`stop_token_ids`; the whole body at most 32 MiB (`pdserve.server.body_limit`, a 413).
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
     SerializerFunctionWrapHandler,
+    field_validator,
     model_serializer,
 )
 
 # The range torch.Generator.manual_seed accepts without wrapping.
 _SEED_MAX = 2**63 - 1
+
+# Bounds on per-token work a client can ask for (OpenAI allows 4 stop sequences, vLLM has no
+# limit): every stop string is looked for in the new text after each token, and
+# `stop_token_ids` is searched for each sampled token.
+MAX_STOP_STRINGS = 64
+MAX_STOP_CHARS = 1000
+MAX_STOP_TOKEN_IDS = 1024
 
 
 class _Request(BaseModel):
@@ -44,7 +55,7 @@ class SamplingFields(_Request):
     top_k: int | None = Field(default=None, ge=-1)  # extension; 0 or -1: disabled
     seed: int | None = Field(default=None, ge=0, le=_SEED_MAX)
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None  # extension
+    stop_token_ids: Annotated[list[int], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     ignore_eos: bool = False  # extension
     n: int = 1
     stream: bool = False
@@ -55,6 +66,16 @@ class SamplingFields(_Request):
     user: str | None = None
     # P/D disaggregation (vLLM's wire name); echoed back when the engine output carries it.
     kv_transfer_params: dict[str, Any] | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _bounded_stop(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        strings = [stop] if isinstance(stop, str) else stop or []
+        if len(strings) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings ({len(strings)} given)")
+        if any(len(x) > MAX_STOP_CHARS for x in strings):
+            raise ValueError(f"a stop string may have at most {MAX_STOP_CHARS} characters")
+        return stop
 
 
 class CompletionRequest(SamplingFields):

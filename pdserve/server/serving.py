@@ -10,6 +10,11 @@ Defaults (documented in `--help` of `pdserve serve` too):
 - `max_tokens` of /v1/chat/completions: the room left (`capacity - prompt tokens`).
 - capacity of one request: min(max model length, KV-cache blocks x block size), since a
   request longer than the whole KV cache could never be scheduled.
+- `temperature` below 1e-5: greedy (as in vLLM; dividing by 1e-300 overflows the logits).
+
+Hostile input is refused before it costs much: a text prompt far beyond the capacity is
+refused after tokenizing a prefix (`encode_bounded`), token-id prompts are measured before
+their ids are checked, and text that is not valid Unicode (lone surrogates) is a 400.
 
 Ownership: a request's KV blocks belong to the engine thread. This module only holds the
 async generator returned by `AsyncEngine.generate`; closing it (done by `aclosing` on every
@@ -44,6 +49,10 @@ if TYPE_CHECKING:
     from pdserve.server.metrics import RequestTimer, ServerMetrics
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16
+# Temperatures below this sample greedily (vLLM's _SAMPLING_EPS).
+_GREEDY_BELOW = 1e-5
+# First prefix measured by `encode_bounded`, in characters per allowed token.
+_CHARS_PER_TOKEN_PROBE = 8
 
 
 class Tokenizer(Protocol):
@@ -130,9 +139,10 @@ class OpenAIServing:
                 )
             prompt = prompt[0]
         if isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt) if prompt else []
+            ids = self._encode(prompt, "prompt", add_special_tokens=True) if prompt else []
         else:
             ids = list(prompt)
+            self.check_prompt_length(len(ids))
             self.check_vocab(ids, "prompt")
         if not ids:
             raise bad_request("The prompt is empty.", param="prompt")
@@ -147,10 +157,36 @@ class OpenAIServing:
             msg = f"The chat template rejected the messages: {exc}"
             raise bad_request(msg, param="messages") from exc
         # The rendered prompt already holds its special tokens (BOS included).
-        ids = self.tokenizer.encode(rendered, add_special_tokens=False)
+        ids = self._encode(rendered, "messages", add_special_tokens=False)
         if not ids:
             raise bad_request("The messages render to an empty prompt.", param="messages")
         return ids
+
+    def _encode(self, text: str, param: str, add_special_tokens: bool) -> list[int]:
+        """Token ids of `text`; a 400 for text that is not Unicode or far too long."""
+        if not _is_unicode(text):
+            raise bad_request(
+                "The text is not valid Unicode (it holds a lone surrogate).", param=param
+            )
+        ids = encode_bounded(self.tokenizer, text, self.limits.capacity, add_special_tokens)
+        if ids is None:
+            raise bad_request(
+                f"The prompt has far more tokens than {self._capacity_text()} allows.",
+                param=param,
+                code="context_length_exceeded",
+            )
+        self.check_prompt_length(len(ids))
+        return ids
+
+    def check_prompt_length(self, num_prompt: int) -> None:
+        """A 400 when a prompt of `num_prompt` tokens leaves no room for one output token."""
+        if self.limits.capacity - num_prompt < 1:
+            raise bad_request(
+                f"The prompt has {num_prompt} tokens; {self._capacity_text()} leaves no room "
+                "for output.",
+                param="prompt",
+                code="context_length_exceeded",
+            )
 
     def check_vocab(self, ids: Sequence[int], param: str) -> None:
         bad = [t for t in ids if not 0 <= t < self.limits.vocab_size]
@@ -162,15 +198,8 @@ class OpenAIServing:
 
     def max_tokens(self, requested: int | None, default: int | None, num_prompt: int) -> int:
         """`requested` if it fits; else the default clamped to the room left."""
-        lim = self.limits
-        room = lim.capacity - num_prompt
-        if room < 1:
-            raise bad_request(
-                f"The prompt has {num_prompt} tokens; {self._capacity_text()} leaves no room "
-                "for output.",
-                param="prompt",
-                code="context_length_exceeded",
-            )
+        self.check_prompt_length(num_prompt)
+        room = self.limits.capacity - num_prompt
         if requested is None:
             return room if default is None else min(default, room)
         if requested > room:
@@ -194,7 +223,7 @@ class OpenAIServing:
         self.check_vocab(stop_ids, "stop_token_ids")
         return SamplingParams(
             max_tokens=max_tokens,
-            temperature=1.0 if req.temperature is None else req.temperature,
+            temperature=_temperature(req.temperature),
             top_p=1.0 if req.top_p is None else req.top_p,
             top_k=max(req.top_k or 0, 0),  # -1 (vLLM's "disabled") and 0 both disable it
             seed=req.seed,
@@ -246,6 +275,35 @@ class OpenAIServing:
         return Generation(
             "".join(parts), FinishReason.ABORT, len(ids), error="the stream ended early"
         )
+
+
+def encode_bounded(
+    tokenizer: Tokenizer, text: str, max_tokens: int, add_special_tokens: bool = True
+) -> list[int] | None:
+    """The ids of `text`, or None when it certainly has far more than `max_tokens` tokens.
+
+    Tokenizing megabytes takes seconds on the event loop, so a text longer than a few
+    characters per allowed token is measured by growing prefixes first: a prefix with more
+    than twice the allowed tokens proves the whole text too long (only the last word of a
+    prefix can tokenize differently in the whole text). Ordinary text that is far too long is
+    refused after tokenizing a few tens of characters per allowed token; the whole text is
+    tokenized only when it fits or its tokens are unusually long.
+    """
+    size = _CHARS_PER_TOKEN_PROBE * (max_tokens + 1)
+    while size < len(text):
+        if len(tokenizer.encode(text[:size], add_special_tokens=False)) > 2 * max_tokens + 16:
+            return None
+        size *= 4
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+
+def _is_unicode(text: str) -> bool:
+    """False for a str holding lone surrogates (JSON allows "\\ud800"; tokenizers do not)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 async def _first(outputs: AsyncIterator[RequestOutput]) -> RequestOutput | None:
@@ -311,6 +369,14 @@ def finish_error(gen_error: str | None, reason: FinishReason, engine_alive: bool
         f"The engine failed the request: {gen_error or 'unknown error'}",
         code="engine_error",
     )
+
+
+def _temperature(requested: float | None) -> float:
+    """OpenAI's default is 1. A temperature too small to divide by (1e-300 overflows the
+    logits to inf and the sampler fails the whole batch) means greedy, as in vLLM."""
+    if requested is None:
+        return 1.0
+    return 0.0 if requested < _GREEDY_BELOW else requested
 
 
 def _template_role(role: str) -> str:

@@ -5,7 +5,7 @@ The router adds these to the JSON body of a completion request; an instance echo
 its own view back in the response body under the same key.
 
 Pull (sequential):
-  router -> P  {do_remote_decode, transfer_mode="pull"}            (max_tokens=1)
+  router -> P  {do_remote_decode, transfer_mode="pull", transfer_id} (max_tokens=1)
   P -> router  {remote_engine_id, remote_host, remote_port, remote_block_ids,
                 remote_num_tokens, first_token_id, transfer_id, prefill_done_time}
   router -> D  everything P returned + {do_remote_prefill, transfer_mode="pull"}
@@ -18,6 +18,10 @@ Push (concurrent; the router learned P's identity from P's `GET /kv/info`):
 
 from __future__ import annotations
 
+import ipaddress
+import math
+import re
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import msgspec
@@ -48,6 +52,15 @@ class InvalidKVTransferParams(ValueError):
     """Malformed `kv_transfer_params`: the HTTP layer turns this into a 400."""
 
 
+# Bounds on what a leg may carry. Ids are made by pdserve (uuid hex, "cmpl-<X-Request-Id>")
+# and stay far below these; the bounds only keep hostile input out of logs and pool tags.
+MAX_ID_CHARS = 256
+_ID_RE = re.compile(r"[\x21-\x7e]+")  # printable ASCII, no spaces
+# A DNS name (RFC 1123 labels) or an IP literal; anything else would make ZMQ raise deep
+# inside a connector thread instead of here.
+_LABEL = r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+_HOSTNAME_RE = re.compile(rf"(?=.{{1,253}}$){_LABEL}(\.{_LABEL})*\.?")
+
 _DECODE_PULL = ("remote_engine_id", "remote_host", "remote_port", "remote_block_ids")
 _DECODE_PULL += ("remote_num_tokens", "first_token_id", "transfer_id")
 _DECODE_PUSH = ("transfer_id", "remote_engine_id", "remote_host", "remote_port")
@@ -64,9 +77,10 @@ def parse_kv_transfer_params(raw: Any) -> KVTransferParams:
 
 
 def validate(p: KVTransferParams) -> None:
-    """Check that the fields a leg needs are present and sane."""
+    """Check that the fields a leg needs are present and sane (no instance needed)."""
     if p.do_remote_decode and p.do_remote_prefill:
         raise InvalidKVTransferParams("do_remote_decode and do_remote_prefill are exclusive")
+    _check_fields(p)
     if not (p.do_remote_decode or p.do_remote_prefill):
         return
     if p.transfer_mode is None:
@@ -75,13 +89,115 @@ def validate(p: KVTransferParams) -> None:
         need = _DECODE_PULL if p.transfer_mode == "pull" else _DECODE_PUSH
         missing = [f for f in need if getattr(p, f) is None]
         if missing:
-            raise InvalidKVTransferParams(f"kv_transfer_params is missing {', '.join(missing)}")
+            raise InvalidKVTransferParams(
+                f"kv_transfer_params is missing {', '.join(missing)} "
+                f"(a decode leg with transfer_mode {p.transfer_mode!r} needs them)"
+            )
     elif p.transfer_mode == "push" and not p.transfer_id:
         raise InvalidKVTransferParams("kv_transfer_params.transfer_id is required for push")
-    if p.remote_block_ids is not None and any(b < 0 for b in p.remote_block_ids):
-        raise InvalidKVTransferParams("kv_transfer_params.remote_block_ids must be >= 0")
+
+
+def _check_fields(p: KVTransferParams) -> None:
+    """Each field on its own: ids, address, block ids, counts."""
+    for name in ("transfer_id", "remote_engine_id", "remote_incarnation"):
+        value = getattr(p, name)
+        if value is not None and not (len(value) <= MAX_ID_CHARS and _ID_RE.fullmatch(value)):
+            raise _bad(name, f"must be 1-{MAX_ID_CHARS} printable ASCII characters, no spaces")
+    if p.remote_host is not None and not _is_host(p.remote_host):
+        raise _bad("remote_host", "must be an IP address or a DNS name")
     if p.remote_port is not None and not 0 < p.remote_port < 65536:
-        raise InvalidKVTransferParams("kv_transfer_params.remote_port is out of range")
+        raise _bad("remote_port", "is out of range")
+    blocks = p.remote_block_ids
+    if blocks is not None and any(b < 0 for b in blocks):
+        raise _bad("remote_block_ids", "must be >= 0")
+    if blocks is not None and len(set(blocks)) != len(blocks):
+        raise _bad("remote_block_ids", "must not repeat a block")
+    if p.remote_num_tokens is not None and p.remote_num_tokens < 1:
+        raise _bad("remote_num_tokens", "must be >= 1")
+    if p.first_token_id is not None and p.first_token_id < 0:
+        raise _bad("first_token_id", "must be >= 0")
+    if p.prefill_done_time is not None and not math.isfinite(p.prefill_done_time):
+        raise _bad("prefill_done_time", "must be a finite number")
+
+
+def check_for_instance(
+    p: KVTransferParams, instance: InstanceLimits, num_prompt_tokens: int
+) -> None:
+    """Check a leg against the instance that is to run it; raises InvalidKVTransferParams.
+
+    Called twice: by the HTTP layer (to answer 400 before submission) and by the engine
+    (the authority, for requests that do not come through HTTP).
+    """
+    if not (p.do_remote_decode or p.do_remote_prefill):
+        return
+    leg = "do_remote_decode" if p.do_remote_decode else "do_remote_prefill"
+    wanted = "prefill" if p.do_remote_decode else "decode"
+    if instance.role == "both":
+        raise InvalidKVTransferParams(
+            f"kv_transfer_params.{leg} needs a P/D instance; this one is monolithic "
+            "(it runs without a KV connector)"
+        )
+    if instance.role != wanted:
+        raise InvalidKVTransferParams(
+            f"kv_transfer_params.{leg} needs a {wanted} instance; this one is {instance.role}"
+        )
+    if p.transfer_mode != instance.mode:
+        raise _bad("transfer_mode", f"is {p.transfer_mode!r}, this instance uses {instance.mode!r}")
+    if p.do_remote_prefill:
+        _check_decode_leg(p, instance, num_prompt_tokens)
+
+
+def _check_decode_leg(
+    p: KVTransferParams, instance: InstanceLimits, num_prompt_tokens: int
+) -> None:
+    if p.remote_num_tokens is not None and p.remote_num_tokens != num_prompt_tokens:
+        raise _bad(
+            "remote_num_tokens",
+            f"is {p.remote_num_tokens}, but the prompt has {num_prompt_tokens} tokens",
+        )
+    if p.transfer_mode != "pull":
+        return
+    need = -(-num_prompt_tokens // instance.block_size)
+    if p.remote_block_ids is not None and len(p.remote_block_ids) != need:
+        raise _bad(
+            "remote_block_ids",
+            f"names {len(p.remote_block_ids)} blocks; a prompt of {num_prompt_tokens} tokens "
+            f"fills {need} blocks of {instance.block_size} tokens",
+        )
+    if p.first_token_id is not None and p.first_token_id >= instance.vocab_size:
+        raise _bad("first_token_id", f"is outside the vocabulary [0, {instance.vocab_size})")
+
+
+def check_remote_blocks(p: KVTransferParams, remote_num_blocks: int) -> None:
+    """Pull: every block P named must exist in P's cache (known after the handshake)."""
+    bad = [b for b in p.remote_block_ids or () if b >= remote_num_blocks]
+    if bad:
+        raise _bad(
+            "remote_block_ids",
+            f"names block {bad[0]}, but the prefill instance has {remote_num_blocks} blocks",
+        )
+
+
+@dataclass(frozen=True)
+class InstanceLimits:
+    """What `check_for_instance` needs to know about the instance running a leg."""
+
+    role: Literal["both", "prefill", "decode"]
+    mode: TransferModeName | None  # None on a monolithic instance
+    block_size: int
+    vocab_size: int
+
+
+def _bad(field: str, what: str) -> InvalidKVTransferParams:
+    return InvalidKVTransferParams(f"kv_transfer_params.{field} {what}")
+
+
+def _is_host(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return _HOSTNAME_RE.fullmatch(host) is not None
+    return True
 
 
 class InstanceInfo(msgspec.Struct, kw_only=True):

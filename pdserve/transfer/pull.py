@@ -89,7 +89,10 @@ class PullConnector(KVConnector):
             finally:
                 # P may free its hold now, whatever happened (no handshake needed for this).
                 to = (job.params.remote_host, job.params.remote_port)
-                self.side.send(to, m.PullDone(transfer_id=job.tid, ok=ok))
+                try:
+                    self.side.send(to, m.PullDone(transfer_id=job.tid, ok=ok))
+                except Exception:  # a bad address must not kill the reader thread
+                    log.exception("pull %s: could not send PullDone to %s", job.tid, to)
                 self.report(ReleaseQuarantine(job.tid))
 
     def _read(self, job: _ReadJob) -> Arrived:

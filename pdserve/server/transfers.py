@@ -1,0 +1,96 @@
+"""Admission of P/D legs: `kv_transfer_params` checked against this instance before submission.
+
+Everything a leg can get wrong is a 400 here, before the engine sees it: the wrong role or
+mode, a prompt that does not match what P computed, a first token outside the vocabulary,
+block ids P does not have (once P is known from a handshake), and a `transfer_id` that
+another transfer still uses. The engine repeats these checks (`LLMEngine._validate`) as the
+authority; this gate exists so that the client gets a 400 with the reason instead of a
+failed generation.
+
+Ownership: a leg's transfer id is claimed here, on the event loop, from admission until its
+HTTP response has ended (`TransferClaim.release`, called by the app on every path). The
+engine's own records (P's holds, D's receive slots and quarantine) cover the id from the
+moment they exist, which is before a finished response ends. When the client goes away
+instead, the claim ends as the abort is queued; the engine applies that abort before any
+later request, and its own check (`LLMEngine._validate`) refuses a reuse that still
+collides, so the only cost of that window is an engine-side refusal instead of a 400.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pdserve.engine.engine import LLMEngine
+from pdserve.engine.types import EngineRequest
+from pdserve.server.errors import bad_request
+from pdserve.transfer.params import (
+    InvalidKVTransferParams,
+    check_for_instance,
+    check_remote_blocks,
+)
+
+
+@dataclass
+class TransferClaim:
+    """One leg's hold on its transfer id; `release` is idempotent."""
+
+    gate: TransferGate
+    transfer_id: str
+    request_id: str
+    released: bool = False
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self.gate.release(self)
+
+
+@dataclass
+class TransferGate:
+    """Checks and claims the transfer ids of one app's P/D legs (event loop only)."""
+
+    engine: LLMEngine
+    claims: dict[str, str] = field(default_factory=dict)  # transfer id -> request id
+
+    def admit(self, er: EngineRequest) -> TransferClaim | None:
+        """Raise a 400 if `er`'s leg cannot run here; else claim its transfer id."""
+        p = er.kv_transfer
+        if p is None or not (p.do_remote_decode or p.do_remote_prefill):
+            return None
+        tid = p.transfer_id or er.request_id
+        try:
+            check_for_instance(p, self.engine.instance_limits(), len(er.prompt_token_ids))
+            self._check_remote_blocks(er)
+        except InvalidKVTransferParams as exc:
+            raise bad_request(str(exc), param="kv_transfer_params") from exc
+        if tid in self.claims or self._engine_uses(tid):
+            raise bad_request(
+                f"kv_transfer_params.transfer_id {tid!r} is in use by a transfer in flight; "
+                "every transfer needs its own id",
+                param="kv_transfer_params",
+                code="transfer_id_in_use",
+            )
+        self.claims[tid] = er.request_id
+        return TransferClaim(self, tid, er.request_id)
+
+    def release(self, claim: TransferClaim) -> None:
+        if self.claims.get(claim.transfer_id) == claim.request_id:
+            del self.claims[claim.transfer_id]
+
+    def _check_remote_blocks(self, er: EngineRequest) -> None:
+        """Pull: P's block ids against P's cache size, when a handshake told us that."""
+        p = er.kv_transfer
+        c = self.engine.connector
+        if c is None or p is None or not p.do_remote_prefill or p.transfer_mode != "pull":
+            return
+        if p.remote_engine_id and p.remote_incarnation:
+            peer = c.known_peer(p.remote_engine_id, p.remote_incarnation)
+            if peer is not None:
+                check_remote_blocks(p, peer.num_blocks)
+
+    def _engine_uses(self, tid: str) -> bool:
+        """Whether the connector still has blocks under `tid` (a lock-free snapshot of
+        engine-thread dicts: membership tests only; the engine re-checks under its own
+        thread, so a stale answer can only cost a later, engine-side refusal)."""
+        c = self.engine.connector
+        return c is not None and (tid in c.holds or tid in c.quarantine or tid in c.receiving)
