@@ -129,10 +129,13 @@ async def one(client: httpx.AsyncClient, url: str, b: dict) -> str:
     return "ok"
 
 
-async def storm(url: str, n: int, kill=None, kill_after: float = 0.3) -> list[str]:
+async def storm(
+    url: str, n: int, kill=None, kill_after: float = 0.3, max_tokens: int = 24
+) -> list[str]:
     async with httpx.AsyncClient(timeout=BOUND_S) as client:
         tasks = [
-            asyncio.ensure_future(one(client, url, body(300 + 50 * i, seed=i))) for i in range(n)
+            asyncio.ensure_future(one(client, url, body(300 + 50 * i, max_tokens, seed=i)))
+            for i in range(n)
         ]
         if kill:
             await asyncio.sleep(kill_after)
@@ -173,8 +176,10 @@ def test_kill_decode_mid_flight_then_restart(mode) -> None:
 
 @pytest.mark.parametrize("mode", ["pull", "push"])
 def test_injected_transfer_errors_fail_only_their_requests(mode) -> None:
-    side = "p_args" if mode == "push" else "d_args"  # who posts: P writes, D reads
-    with Trio(mode, **{side: ("--fault-transfer-every", "3")}) as t:
+    # Who posts: P writes (one post per prompt without layer-wise streaming), D reads.
+    args = ("--fault-transfer-every", "3")
+    kw = {"p_args": (*args, "--no-push-layerwise")} if mode == "push" else {"d_args": args}
+    with Trio(mode, **kw) as t:
         results = ok_now(t.url("router"), 9)
         assert results.count("ok") == 6, results  # posts 3, 6, 9 failed, clearly
         t.wait_free()
@@ -187,7 +192,9 @@ def test_injected_transfer_errors_fail_only_their_requests(mode) -> None:
 def test_router_killed_mid_stream_then_restarted(mode) -> None:
     # Pull: prompts P finished for a router that died are held until their lease ends.
     with Trio(mode, p_args=("--kv-lease", "3")) as t:
-        results = asyncio.run(storm(t.url("router"), 8, kill=lambda: t.kill("router")))
+        # Long replies, so that streams are still open when the router dies.
+        kill = lambda: t.kill("router")  # noqa: E731
+        results = asyncio.run(storm(t.url("router"), 8, kill=kill, max_tokens=400))
         assert any(r.startswith("transport") for r in results), results
         t.wait_free()  # the instances saw their client (the router) go away
         t.start("router")

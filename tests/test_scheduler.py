@@ -112,3 +112,24 @@ def test_preemption_frees_the_newest_and_recomputes_it() -> None:
     assert [(x.request.request_id, x.num_computed, x.num_new) for x in out.seqs] == [("b", 0, 5)]
     s.finish(b)
     assert pool.num_free == 3
+
+
+def test_remote_admission_keeps_headroom_for_running_requests() -> None:
+    s, pool = make(20)
+    admitted: list[str] = []
+    s.on_remote_admit = lambda r: admitted.append(r.request_id)
+    a = req("a", 4)
+    s.add(a)
+    run_step(s)  # a runs with one block; 19 free
+    big = req("big", 18 * BS)  # needs 18 blocks: only 1 would be left for a to grow into
+    big.needs_remote_kv = True
+    s.add(big)
+    run_step(s)
+    assert admitted == [] and list(s.waiting) == [big]
+    small = req("small", 8 * BS)
+    small.needs_remote_kv = True
+    s2, _ = make(20)
+    s2.on_remote_admit = lambda r: admitted.append(r.request_id)
+    s2.add(small)
+    s2.schedule()  # an idle instance admits even a large prompt
+    assert admitted == ["small"] and small.block_ids == list(range(8))

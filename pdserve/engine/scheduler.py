@@ -133,7 +133,16 @@ class Scheduler:
             budget -= n
 
     def _admit_remote(self, req: Request) -> bool:
-        """D: reserve blocks for the whole prompt and hand the request to the connector."""
+        """D: reserve blocks for the whole prompt and hand the request to the connector.
+
+        Push reserves these blocks while P may still be queueing the prompt, so a
+        headroom of free blocks is kept for the running requests to grow into: without it
+        a backlog on P fills D's pool and forces preemptions (local recompute) on D.
+        """
+        need = blocks_needed(req.num_prompt_tokens, self.block_size)
+        headroom = len(self.running) + max(1, self.pool.num_blocks // 20)
+        if self.pool.num_free - need < headroom and (self.running or self.waiting_for_kv):
+            return False
         if not self._grow(req, req.num_prompt_tokens):
             return False
         self.waiting.popleft()
