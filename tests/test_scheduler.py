@@ -115,7 +115,7 @@ def test_preemption_frees_the_newest_and_recomputes_it() -> None:
 
 
 def test_remote_admission_keeps_headroom_for_running_requests() -> None:
-    s, pool = make(20)
+    s, _ = make(20)
     admitted: list[str] = []
     s.on_remote_admit = lambda r: admitted.append(r.request_id)
     a = req("a", 4)
