@@ -19,7 +19,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import pytest
 from fastapi.testclient import TestClient
@@ -287,10 +287,16 @@ def post_json(client: TestClient, path: str, body: Any, **headers: str) -> Any:
     )
 
 
+class Fuzzed(Protocol):
+    """What is fuzzed: an instance, or a router in front of a P/D pair."""
+
+    def assert_healthy(self) -> None: ...
+
+
 def fuzz(
-    instance: Instance, n: int, strategy: st.SearchStrategy[Any], send: Callable[[Any], Any]
+    target: Fuzzed, n: int, strategy: st.SearchStrategy[Any], send: Callable[[Any], Any]
 ) -> Counter[int]:
-    """Check every answer; then the instance's health. Returns the count by status class."""
+    """Check every answer; then the target's health. Returns the count by status class."""
     seen: Counter[int] = Counter()
 
     @fuzz_settings(n)
@@ -301,7 +307,7 @@ def fuzz(
         seen[r.status_code // 100] += 1
 
     run()
-    instance.assert_healthy()
+    target.assert_healthy()
     return seen
 
 

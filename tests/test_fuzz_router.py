@@ -12,7 +12,6 @@ monolithic engine's tokens, and both instances' block pools drain to zero.
 from __future__ import annotations
 
 import time
-from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -20,15 +19,13 @@ from typing import Any
 import pytest
 import torch
 from fastapi.testclient import TestClient
-from hypothesis import given
 from hypothesis import strategies as st
 from test_fuzz_instance import (
     CAPACITY,
     NUM_BLOCKS,
     chat_bodies,
-    check_answer,
     completion_bodies,
-    fuzz_settings,
+    fuzz,
     json_values,
     post_json,
 )
@@ -126,21 +123,6 @@ def cluster(request: pytest.FixtureRequest, loaded: LoadedModel) -> Iterator[Clu
             close()
     for e in (p, d):
         e.check_integrity()
-
-
-def fuzz(cluster: Cluster, n: int, strategy: st.SearchStrategy[Any], send: Callable) -> Counter:
-    seen: Counter[int] = Counter()
-
-    @fuzz_settings(n)
-    @given(strategy)
-    def run(value: Any) -> None:
-        r = send(value)
-        check_answer(r)
-        seen[r.status_code // 100] += 1
-
-    run()
-    cluster.assert_healthy()
-    return seen
 
 
 def test_router_completions_never_5xx(cluster: Cluster) -> None:

@@ -9,6 +9,33 @@ from prometheus_client.registry import Collector
 
 from pdserve.transfer.connector import KVConnector
 
+# (metric name, help, attribute of the connector's stats), all labelled by mode.
+_CONNECTOR_COUNTERS: tuple[tuple[str, str, str], ...] = (
+    (
+        "pdserve_kv_bytes_transferred",
+        "KV bytes moved by this instance (pull: read by D; push: written by P).",
+        "bytes_moved",
+    ),
+    ("pdserve_kv_transfers", "KV transfers completed.", "transfers"),
+    ("pdserve_kv_transfer_seconds", "Time from posting to completion, summed.", "transfer_seconds"),
+    ("pdserve_kv_descriptors", "Descriptors posted (after coalescing).", "descriptors"),
+    ("pdserve_kv_failed_transfers", "Transfers that failed a request.", "failures"),
+    ("pdserve_kv_lease_expired", "Held prompt KV freed by lease expiry.", "lease_expired"),
+    ("pdserve_kv_recv_timeouts", "D: requests failed by the KV watchdog.", "recv_timeouts"),
+    (
+        "pdserve_kv_registrations_expired",
+        "P (push): registrations never matched by a prompt.",
+        "registrations_expired",
+    ),
+    ("pdserve_kv_peers_down", "Peers declared down (silent or restarted).", "peers_down"),
+    ("pdserve_kv_received", "D: prompts whose KV arrived.", "received"),
+    (
+        "pdserve_kv_recv_wait_seconds",
+        "D: admission (push: registration) to KV arrival, summed.",
+        "recv_wait_seconds",
+    ),
+)
+
 
 class ConnectorCollector(Collector):
     """Transfer metrics of one instance: bytes, time, descriptors, failures, expiries, push."""
@@ -19,50 +46,8 @@ class ConnectorCollector(Collector):
     def collect(self) -> Iterable[Metric]:
         s = self.connector.stats
         mode = self.connector.cfg.mode
-        yield _counter(
-            "pdserve_kv_bytes_transferred",
-            "KV bytes moved by this instance (pull: read by D; push: written by P).",
-            s.bytes_moved,
-            mode,
-        )
-        yield _counter("pdserve_kv_transfers", "KV transfers completed.", s.transfers, mode)
-        yield _counter(
-            "pdserve_kv_transfer_seconds",
-            "Time from posting to completion, summed.",
-            s.transfer_seconds,
-            mode,
-        )
-        yield _counter(
-            "pdserve_kv_descriptors", "Descriptors posted (after coalescing).", s.descriptors, mode
-        )
-        yield _counter(
-            "pdserve_kv_failed_transfers", "Transfers that failed a request.", s.failures, mode
-        )
-        yield _counter(
-            "pdserve_kv_lease_expired",
-            "Held prompt KV freed by lease expiry.",
-            s.lease_expired,
-            mode,
-        )
-        yield _counter(
-            "pdserve_kv_recv_timeouts",
-            "D: requests failed by the KV watchdog.",
-            s.recv_timeouts,
-            mode,
-        )
-        yield _counter(
-            "pdserve_kv_registrations_expired",
-            "P (push): registrations never matched by a prompt.",
-            s.registrations_expired,
-            mode,
-        )
-        yield _counter("pdserve_kv_received", "D: prompts whose KV arrived.", s.received, mode)
-        yield _counter(
-            "pdserve_kv_recv_wait_seconds",
-            "D: admission (push: registration) to KV arrival, summed.",
-            s.recv_wait_seconds,
-            mode,
-        )
+        for name, doc, attr in _CONNECTOR_COUNTERS:
+            yield _counter(name, doc, getattr(s, attr), mode)
         held = GaugeMetricFamily(
             "pdserve_kv_blocks_held",
             "Blocks the connector owns (holds, quarantine).",
