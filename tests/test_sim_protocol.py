@@ -216,13 +216,14 @@ def test_first_contact_pays_the_handshake_unless_warm() -> None:
         assert delta == pytest.approx(extra, rel=1e-9), mode
 
 
+@pytest.mark.parametrize("sw", [VLLM_LIKE, PDSERVE_LIKE], ids=lambda sw: sw.name)
 @pytest.mark.parametrize("mode", ["monolithic", "pull", "push"])
-def test_more_load_never_lowers_mean_latency(mode: str) -> None:
+def test_more_load_never_lowers_mean_latency(mode: str, sw: SoftwareProfile) -> None:
+    """In expectation (mean over seeds), TTFT and TPOT do not fall as the rate rises."""
     means = {"ttft": [], "tpot": []}
     for rate in (0.5, 2.0, 8.0, 32.0):
         runs = [
-            run_sim(_config(mode, VLLM_LIKE, 128, 16, num_prompts=30, rate=rate, seed=s))
-            for s in range(3)
+            run_sim(_config(mode, sw, 128, 16, num_prompts=30, rate=rate, seed=s)) for s in range(3)
         ]
         means["ttft"].append(np.mean([r.mean_ttft_ms for r in runs]))
         means["tpot"].append(np.mean([r.mean_tpot_ms for r in runs]))
@@ -236,3 +237,58 @@ def test_same_seed_same_result_and_different_seed_differs() -> None:
     c = run_sim(_config("push", VLLM_LIKE, 128, 8, num_prompts=20, rate=10.0, seed=2))
     assert a.ttfts == b.ttfts and a.itls == b.itls and a.arrival_times == b.arrival_times
     assert a.arrival_times != c.arrival_times
+
+
+class _Quiet:
+    """A listener that records remote admissions and ignores the rest."""
+
+    def __init__(self) -> None:
+        self.admitted: list[int] = []
+
+    def on_remote_admit(self, inst, seq, now) -> None:
+        self.admitted.append(seq.req.index)
+
+    def on_forward(self, inst, seq, num_new, start, duration) -> None:
+        return None
+
+    def on_prefill_done(self, inst, seq, now) -> None:
+        return None
+
+    def on_token(self, inst, seq, now) -> None:
+        return None
+
+
+def _decode_instance(fraction: float):
+    from pdserve.sim.engine import EventLoop
+    from pdserve.sim.instance import Instance
+
+    # 100 blocks of 4 tokens: 0.9 x capacity - weights = 400 tokens x 1 KiB of KV.
+    hw = msgspec.structs.replace(HW, mem_capacity=(400 * 1024 + 800_000) / 0.9 + 1)
+    sw = msgspec.structs.replace(PDSERVE_LIKE, remote_headroom_fraction=fraction)
+    loop, listener = EventLoop(), _Quiet()
+    inst = Instance("D0", "decode", CostModel(MODEL, hw, sw), loop, listener)
+    assert inst.total_blocks == 100
+    return inst, loop, listener
+
+
+@pytest.mark.parametrize("fraction", [0.0, 0.05])
+def test_d_keeps_block_headroom_for_running_requests_when_admitting_remote_prompts(
+    fraction: float,
+) -> None:
+    """pdserve's D: a remote prompt is admitted only while one block per running request
+    plus 5% of the pool stays free (here 1 + 5 blocks); without the guard, while any fit."""
+    from pdserve.sim.instance import Seq, SimRequest
+
+    inst, loop, listener = _decode_instance(fraction)
+
+    def remote(i: int, blocks: int) -> Seq:
+        return Seq(SimRequest(i, 4 * blocks, 1000, 0.0), 0, 4 * blocks, 1000, blocks, True)
+
+    running = Seq(SimRequest(0, 40, 1000, 0.0), 0, 40, 1000, 10, True)
+    inst.free_blocks -= running.blocks
+    inst.running.append(running)
+    for seq in (remote(1, 80), remote(2, 5)):  # 90 free: 80 leaves 10 >= 6; 5 would leave 5
+        inst.deliver(inst.add, seq)
+    loop.run(until=0.0)  # the first step boundary only
+    assert listener.admitted == ([1, 2] if fraction == 0.0 else [1])
+    assert inst.free_blocks == (5 if fraction == 0.0 else 10)

@@ -11,7 +11,7 @@ from pdserve.bench import report
 from pdserve.bench.arrivals import ArrivalConfig
 from pdserve.bench.dataset import RandomDatasetConfig
 from pdserve.bench.metrics import load_result, save_result
-from pdserve.bench.serve import BenchConfig, _rngs, build_requests, release_offsets
+from pdserve.bench.serve import BenchConfig, build_requests, release_offsets, workload_rngs
 from pdserve.sim import cli
 from pdserve.sim.cluster import ClusterConfig
 from pdserve.sim.profiles import load_hardware, load_model, load_software
@@ -38,7 +38,7 @@ def _qwen(mode: str, wl: BenchConfig = WL) -> SimConfig:
 
 
 def test_the_simulator_draws_the_bench_workload() -> None:
-    data_rng, _, arrival_rng = _rngs(WL.seed)
+    data_rng, _, arrival_rng = workload_rngs(WL.seed)
     expected = build_requests(WL, data_rng)
     offsets = release_offsets(WL, expected, arrival_rng)
     requests, sim_offsets = workload(WL)
@@ -109,15 +109,26 @@ def test_cli_overrides_and_errors(tmp_path, capsys) -> None:
 
 
 def test_sweep_points_use_the_bench_sweep_seed_rule() -> None:
-    from pdserve.sim.sweep import point_config, point_seed
+    from pdserve.bench.sweep import point_seed
+    from pdserve.sim.sweep import point_config
 
     base = _qwen("pull")
     point = point_config(base, 4096, 0.5, "push")
     assert point.workload.seed == point_seed(WL.seed, 4096, 0.5)
     assert point.cluster.mode == "push" and point.workload.random.input_len == 4096
     assert point_seed(0, 1024, 2.0) == point_seed(0, 1024, 2.0) != point_seed(0, 1024, 4.0)
-    try:  # the measured sweep, where it can be imported, must agree
-        from pdserve.bench.sweep import point_seed as bench_point_seed
-    except ImportError:
-        return
-    assert bench_point_seed(3, 4096, 0.5) == point_seed(3, 4096, 0.5)
+
+
+def test_simulated_and_measured_results_share_the_header() -> None:
+    """Same workload config: the fields that describe the run are the bench's own."""
+    from pdserve.bench.serve import result_header
+
+    result = run_sim(_qwen("push"))
+    requests, offsets = workload(WL)
+    header = result_header(
+        WL, requests, offsets, model="qwen3-32b", base_url="sim://", start_time_unix=0.0
+    )
+    for key, value in header.items():
+        if key not in ("date", "metadata"):
+            assert getattr(result, key) == value, key
+    assert result.metadata["source"] == "sim" and result.backend == "pdserve-sim"

@@ -26,7 +26,7 @@ def _get(outcomes: list[Outcome], **match) -> Outcome:
 
 
 def test_validation_sets_load_and_name_their_tuned_points() -> None:
-    for name in ("seed-p5en", "vllm-cpu-fieldnotes"):
+    for name in ("seed-p5en", "vllm-cpu-fieldnotes", "pdserve-cpu-sweep"):
         vs = load_validation(name)
         assert vs.points and any(p.tuned for p in vs.points)
         assert sum(not p.tuned for p in vs.points) > sum(p.tuned for p in vs.points)

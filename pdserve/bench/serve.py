@@ -88,7 +88,10 @@ class BenchConfig:
             raise ValueError(f"unknown goodput metrics {bad}; use {SLO_METRICS}")
 
 
-def _rngs(seed: int) -> tuple[np.random.Generator, ...]:
+def workload_rngs(seed: int) -> tuple[np.random.Generator, ...]:
+    """The (dataset, warm-up, arrival) random streams of a run with `seed`: independent,
+    so changing one setting does not reshuffle the others. `pdserve sim` draws from the
+    same streams to replay the same requests."""
     return tuple(np.random.default_rng(s) for s in np.random.SeedSequence(seed).spawn(3))
 
 
@@ -175,6 +178,43 @@ def _offered(
     return json_number((len(offsets) - 1) / span if span > 0 else math.inf), None
 
 
+def result_header(
+    cfg: BenchConfig,
+    requests: list[BenchRequest],
+    offsets: np.ndarray,
+    *,
+    model: str,
+    base_url: str,
+    start_time_unix: float,
+) -> dict[str, object]:
+    """A result's fields that describe the run rather than measure it (workload, seed,
+    labels, date), as keyword arguments of `BenchResult`. `pdserve sim` builds its results
+    with the same function so simulated and measured JSONs have the same header."""
+    rate, burstiness = _offered(cfg, requests, offsets)
+    is_random = cfg.trace_path is None
+    return {
+        "date": datetime.now().strftime("%Y%m%d-%H%M%S"),
+        "label": cfg.label,
+        "model_id": model,
+        "base_url": base_url,
+        "endpoint": cfg.endpoint,
+        "dataset_name": "random" if is_random else "trace",
+        "dataset_path": None if is_random else str(cfg.trace_path),
+        "num_prompts": len(requests),
+        "input_len": cfg.random.input_len if is_random else None,
+        "output_len": cfg.random.output_len if is_random else None,
+        "range_ratio": cfg.random.range_ratio if is_random else None,
+        "request_rate": rate,
+        "burstiness": burstiness,
+        "max_concurrency": cfg.max_concurrency,
+        "seed": cfg.seed,
+        "num_warmups": cfg.num_warmups,
+        "goodput_config": dict(cfg.goodput) or None,
+        "metadata": dict(cfg.metadata),
+        "start_time_unix": start_time_unix,
+    }
+
+
 def _result(
     cfg: BenchConfig,
     model: str,
@@ -184,30 +224,12 @@ def _result(
     duration: float,
     clock: RunClock,
 ) -> BenchResult:
-    rate, burstiness = _offered(cfg, requests, offsets)
-    is_random = cfg.trace_path is None
     return BenchResult(
         **msgspec.structs.asdict(compute_metrics(records, duration, dict(cfg.goodput))),
         **per_request_arrays(records),
-        date=datetime.now().strftime("%Y%m%d-%H%M%S"),
-        label=cfg.label,
-        model_id=model,
-        base_url=cfg.base_url,
-        endpoint=cfg.endpoint,
-        dataset_name="random" if is_random else "trace",
-        dataset_path=None if is_random else str(cfg.trace_path),
-        num_prompts=len(requests),
-        input_len=cfg.random.input_len if is_random else None,
-        output_len=cfg.random.output_len if is_random else None,
-        range_ratio=cfg.random.range_ratio if is_random else None,
-        request_rate=rate,
-        burstiness=burstiness,
-        max_concurrency=cfg.max_concurrency,
-        seed=cfg.seed,
-        num_warmups=cfg.num_warmups,
-        goodput_config=dict(cfg.goodput) or None,
-        metadata=dict(cfg.metadata),
-        start_time_unix=clock.unix0,
+        **result_header(
+            cfg, requests, offsets, model=model, base_url=cfg.base_url, start_time_unix=clock.unix0
+        ),
     )
 
 
@@ -215,7 +237,7 @@ async def run_benchmark(cfg: BenchConfig) -> BenchResult:
     """Run one benchmark. Raises EndpointError if the endpoint cannot be used at all
     (no model list, every warm-up failed) and TraceError for a bad trace; failures of
     individual measured requests are counted in the result instead."""
-    data_rng, warmup_rng, arrival_rng = _rngs(cfg.seed)
+    data_rng, warmup_rng, arrival_rng = workload_rngs(cfg.seed)
     requests = build_requests(cfg, data_rng)
     async with _http_client(cfg) as http:
         model = cfg.model or await first_model(http, cfg.base_url)

@@ -163,7 +163,15 @@ def _validate(name: str) -> int:
         print(f"pdserve sim: {exc}", file=sys.stderr)
         return 1
     print(f"{vs.name}: {vs.description}\n")
-    print(table(evaluate(vs)))
+    if vs.fitted:
+        print(f"{vs.fitted}\n")
+    outcomes = evaluate(vs)
+    if all(o.point.source == "measured" for o in outcomes):
+        from pdserve.sim.calibrate import error_summary, wide_table
+
+        print(f"{wide_table(outcomes)}\n\n{error_summary(outcomes)}")
+    else:
+        print(table(outcomes))
     return 0
 
 

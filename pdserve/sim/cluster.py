@@ -29,7 +29,9 @@ class ClusterConfig:
 
     `warm`: the P-D handshakes happened before the measured run (bench's warm-up requests
     pay them), so no measured request does. For `mode="monolithic"` the cluster has
-    `num_prefill + num_decode` monolithic instances of TP `tp_prefill` (the same devices).
+    `num_prefill + num_decode` monolithic instances of TP `tp_prefill` (the same devices);
+    `monolithic_router=False`: the client talks to the monolithic instance directly (one
+    HTTP hop each way, as with `pdserve up --monolithic`, which starts no router).
     """
 
     model: ModelProfile
@@ -41,6 +43,7 @@ class ClusterConfig:
     tp_prefill: int = 1
     tp_decode: int = 1
     warm: bool = True
+    monolithic_router: bool = True
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:

@@ -43,8 +43,11 @@ class Connector:
         self.cluster = cluster
         self.loop = cluster.loop
         self.sw = cluster.cfg.software
-        # Router -> instance: the client's hop, the router's hop, the front end's work.
-        self.leg_delay = 2 * self.sw.http_hop_s + self.sw.api_overhead_s
+        # Router -> instance: the client's hop, the router's hop, the front end's work
+        # (one hop less each way when the client talks to a monolithic instance directly).
+        direct = cluster.cfg.mode == "monolithic" and not cluster.cfg.monolithic_router
+        self.hops = 1 if direct else 2
+        self.leg_delay = self.hops * self.sw.http_hop_s + self.sw.api_overhead_s
 
     def dispatch(self, req: SimRequest, now: float) -> None:
         raise NotImplementedError
@@ -78,7 +81,7 @@ class Connector:
 
     def on_token(self, inst: Instance, seq: Seq, now: float) -> None:
         req = seq.req
-        req.token_times.append(now + 2 * self.sw.http_hop_s)
+        req.token_times.append(now + self.hops * self.sw.http_hop_s)
         if req.done:
             self.loop.at(req.token_times[-1], self.cluster.on_done, req)
 

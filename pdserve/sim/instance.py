@@ -219,6 +219,8 @@ class Instance:
         if seq.blocks > self.free_blocks:
             return False
         if seq.remote:
+            if not self._remote_fits(seq):
+                return False
             self.free_blocks -= seq.blocks
             self.waiting_for_kv.append(seq)
             self.listener.on_remote_admit(self, seq, now)
@@ -228,6 +230,19 @@ class Instance:
         self.free_blocks -= seq.blocks
         self.running.append(seq)
         return True
+
+    def _remote_fits(self, seq: Seq) -> bool:
+        """pdserve's D admission: requests waiting for KV count against `max_num_seqs`,
+        and a remote prompt is admitted only while it leaves a headroom of free blocks
+        (one per running request plus `remote_headroom_fraction` of the pool) for the
+        running requests to grow into."""
+        sw = self.costs.software
+        if len(self.running) + len(self.waiting_for_kv) >= sw.max_num_seqs:
+            return False
+        if sw.remote_headroom_fraction <= 0 or not (self.running or self.waiting_for_kv):
+            return True
+        headroom = len(self.running) + max(1, int(self.total_blocks * sw.remote_headroom_fraction))
+        return self.free_blocks - seq.blocks >= headroom
 
     def _step_end(self, batch: list[tuple[Seq, int]]) -> None:
         now = self.loop.now

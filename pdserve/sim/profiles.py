@@ -107,7 +107,10 @@ class SoftwareProfile(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     finished blocks to the writer only at the next step boundary (vLLM's step metadata);
     `layerwise_push`: stream each layer's KV as soon as its forward pass is done;
     `first_token_from_prefill`: D emits P's sampled token when the KV lands (pdserve) rather
-    than recomputing the last prompt token in a step (vLLM).
+    than recomputing the last prompt token in a step (vLLM);
+    `remote_headroom_fraction`: D admits a prompt whose KV comes from P only while it leaves
+    this fraction of its pool (and one block per running request) free, pdserve's guard
+    against a push backlog on P filling D's pool (0: no guard).
     """
 
     name: str
@@ -129,6 +132,7 @@ class SoftwareProfile(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     push_handoff_next_step: bool = False
     layerwise_push: bool = True
     first_token_from_prefill: bool = False
+    remote_headroom_fraction: float = 0.0
     notes: str = ""
 
     def __post_init__(self) -> None:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass
-from datetime import datetime
 
 import msgspec
 import numpy as np
@@ -27,7 +26,13 @@ from pdserve.bench.metrics import (
     compute_metrics,
     per_request_arrays,
 )
-from pdserve.bench.serve import BenchConfig, _offered, _rngs, build_requests, release_offsets
+from pdserve.bench.serve import (
+    BenchConfig,
+    build_requests,
+    release_offsets,
+    result_header,
+    workload_rngs,
+)
 from pdserve.sim.cluster import Cluster, ClusterConfig
 from pdserve.sim.engine import EventLoop
 from pdserve.sim.instance import SimRequest
@@ -46,7 +51,7 @@ class SimConfig:
 
 def workload(wl: BenchConfig) -> tuple[list[BenchRequest], np.ndarray]:
     """The measured requests and their release offsets, as `bench serve` draws them."""
-    data_rng, _warmup_rng, arrival_rng = _rngs(wl.seed)
+    data_rng, _warmup_rng, arrival_rng = workload_rngs(wl.seed)
     requests = build_requests(wl, data_rng)
     return requests, release_offsets(wl, requests, arrival_rng)
 
@@ -157,35 +162,23 @@ def sim_metadata(cfg: ClusterConfig) -> dict[str, str]:
 
 
 def to_result(cfg: SimConfig, run: SimRun) -> BenchResult:
-    """A `BenchResult` in the same shape `bench serve` saves."""
+    """A `BenchResult` in the same shape `bench serve` saves (same header function)."""
     wl = cfg.workload
     records = [record_of(r) for r in run.requests]
-    is_random = wl.trace_path is None
-    rate, burstiness = _offered(wl, run.bench_requests, run.offsets)
-    metadata = {**dict(wl.metadata), **sim_metadata(cfg.cluster)}
+    header = result_header(
+        wl,
+        run.bench_requests,
+        run.offsets,
+        model=cfg.cluster.model.name,
+        base_url=SIM_BASE_URL,
+        start_time_unix=0.0,
+    )
+    header["metadata"] = {**header["metadata"], **sim_metadata(cfg.cluster)}
     return BenchResult(
         **msgspec.structs.asdict(compute_metrics(records, run.duration, dict(wl.goodput))),
         **per_request_arrays(records),
-        date=datetime.now().strftime("%Y%m%d-%H%M%S"),
+        **header,
         backend="pdserve-sim",
-        label=wl.label,
-        model_id=cfg.cluster.model.name,
-        base_url=SIM_BASE_URL,
-        endpoint=wl.endpoint,
-        dataset_name="random" if is_random else "trace",
-        dataset_path=None if is_random else str(wl.trace_path),
-        num_prompts=len(records),
-        input_len=wl.random.input_len if is_random else None,
-        output_len=wl.random.output_len if is_random else None,
-        range_ratio=wl.random.range_ratio if is_random else None,
-        request_rate=rate,
-        burstiness=burstiness,
-        max_concurrency=wl.max_concurrency,
-        seed=wl.seed,
-        num_warmups=wl.num_warmups,
-        goodput_config=dict(wl.goodput) or None,
-        metadata=metadata,
-        start_time_unix=0.0,
     )
 
 

@@ -1,36 +1,26 @@
 """A grid of simulated runs (input lengths x request rates x modes), like `bench sweep`.
 
 Every point keeps the base run's workload (output length, prompts, burstiness...) and
-changes only the input length, the rate and the mode. Its seed follows `pdserve bench
-sweep`'s rule (`point_seed`: the same across modes, different across points), so a
-simulated point draws exactly the prompts and arrival times of the measured point with the
-same base seed, and the two sit side by side in one report.
+changes only the input length, the rate and the mode. Its seed is `pdserve bench sweep`'s
+(`pdserve.bench.sweep.point_seed`, the same function: equal across modes, different across
+points), so a simulated point draws exactly the prompts and arrival times of the measured
+point with the same base seed, and the two sit side by side in one report.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
-import math
-import zlib
 from collections.abc import Sequence
 from pathlib import Path
 
 from tqdm import tqdm
 
 from pdserve.bench.metrics import BenchResult, save_result
+from pdserve.bench.sweep import point_seed
+from pdserve.bench.sweep_report import rate_label
 from pdserve.sim.cluster import Mode
 from pdserve.sim.run import SimConfig, run_sim
-
-
-def rate_label(rate: float) -> str:
-    """A rate as `bench sweep` writes it in file names and seeds: 0.5, 2, inf."""
-    return "inf" if math.isinf(rate) else f"{rate:g}"
-
-
-def point_seed(seed: int, input_len: int, rate: float) -> int:
-    """`bench sweep`'s seed of a point (pdserve.bench.sweep.point_seed, same formula)."""
-    return zlib.crc32(f"{seed}/{input_len}/{rate_label(rate)}".encode())
 
 
 def point_config(base: SimConfig, input_len: int, rate: float, mode: Mode) -> SimConfig:

@@ -21,7 +21,15 @@ from pdserve.bench.dataset import RandomDatasetConfig
 from pdserve.bench.metrics import BenchResult
 from pdserve.bench.serve import BenchConfig
 from pdserve.sim.cluster import ClusterConfig, Mode
-from pdserve.sim.profiles import load_hardware, load_model, load_software
+from pdserve.sim.profiles import (
+    HardwareProfile,
+    ModelProfile,
+    SoftwareProfile,
+    load_hardware,
+    load_model,
+    load_software,
+    with_overrides,
+)
 from pdserve.sim.run import SimConfig, run_sim
 
 
@@ -36,6 +44,7 @@ class Point(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tru
     metric: str
     value: float
     max_concurrency: int | None = None  # 1 with rate inf: one request at a time
+    seed: int | None = None  # the measured run's bench seed (same prompts and arrivals)
     tuned: bool = False
     note: str = ""
 
@@ -54,7 +63,12 @@ class ValidationSet(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     num_decode: int = 1
     num_prompts: int = 100
     seed: int = 0
+    num_monolithic: int | None = None  # monolithic instances (None: num_prefill + num_decode)
+    monolithic_router: bool = True
+    overrides: dict[str, str] = {}  # "section.field" -> value, as `--set`, every mode
+    mode_overrides: dict[str, dict[str, str]] = {}  # mode -> overrides on top of those
     assumptions: str = ""
+    fitted: str = ""  # which parameters were fitted, to which points, how
     points: list[Point]
 
 
@@ -81,6 +95,23 @@ def load_validation(name_or_path: str) -> ValidationSet:
     return msgspec.json.decode(path.read_bytes(), type=ValidationSet, strict=False)
 
 
+def profiles_for(
+    vs: ValidationSet, mode: Mode
+) -> tuple[ModelProfile, HardwareProfile, SoftwareProfile]:
+    """The set's profiles with its overrides and the mode's applied."""
+    sections: dict[str, dict[str, str]] = {"model": {}, "hardware": {}, "software": {}}
+    for key, value in {**vs.overrides, **vs.mode_overrides.get(mode, {})}.items():
+        section, _, name = key.partition(".")
+        if section not in sections or not name:
+            raise ValueError(f"{vs.name}: override {key!r} is not model/hardware/software.FIELD")
+        sections[section][name] = value
+    return (
+        with_overrides(load_model(vs.model), sections["model"]),
+        with_overrides(load_hardware(vs.hardware), sections["hardware"]),
+        with_overrides(load_software(vs.software), sections["software"]),
+    )
+
+
 def point_config(
     vs: ValidationSet,
     input_len: int,
@@ -88,24 +119,28 @@ def point_config(
     rate: float,
     mode: Mode,
     max_concurrency: int | None = None,
+    seed: int | None = None,
 ) -> SimConfig:
-    """The SimConfig of one point of `vs`."""
+    """The SimConfig of one point of `vs` (`seed`: the point's own, else the set's)."""
+    model, hardware, software = profiles_for(vs, mode)
+    mono = mode == "monolithic" and vs.num_monolithic is not None
     cluster = ClusterConfig(
-        model=load_model(vs.model),
-        hardware=load_hardware(vs.hardware),
-        software=load_software(vs.software),
+        model=model,
+        hardware=hardware,
+        software=software,
         mode=mode,
-        num_prefill=vs.num_prefill,
-        num_decode=vs.num_decode,
+        num_prefill=vs.num_monolithic if mono else vs.num_prefill,
+        num_decode=0 if mono else vs.num_decode,
         tp_prefill=vs.tp_prefill,
         tp_decode=vs.tp_decode,
+        monolithic_router=vs.monolithic_router,
     )
     workload = BenchConfig(
         random=RandomDatasetConfig(input_len=input_len, output_len=output_len),
         num_prompts=vs.num_prompts,
         arrivals=ArrivalConfig(request_rate=rate),
         max_concurrency=max_concurrency,
-        seed=vs.seed,
+        seed=vs.seed if seed is None else seed,
         disable_tqdm=True,
     )
     return SimConfig(cluster=cluster, workload=workload)
@@ -116,7 +151,7 @@ def evaluate(vs: ValidationSet) -> list[Outcome]:
     runs: dict[tuple, BenchResult] = {}
     outcomes = []
     for p in vs.points:
-        key = (p.input_len, p.output_len, p.rate, p.mode, p.max_concurrency)
+        key = (p.input_len, p.output_len, p.rate, p.mode, p.max_concurrency, p.seed)
         if key not in runs:
             runs[key] = run_sim(point_config(vs, *key))
         value = getattr(runs[key], p.metric)
