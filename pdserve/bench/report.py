@@ -61,7 +61,8 @@ def _fmt(value: float | None, digits: int = 1) -> str:
     return "-" if value is None or math.isnan(value) else f"{value:.{digits}f}"
 
 
-def _rate_label(rate: float | str) -> str:
+def rate_label(rate: float | str) -> str:
+    """A rate as written in file names and tables: 0.5, 2, inf."""
     return "inf" if math.isinf(float(rate)) else f"{float(rate):g}"
 
 
@@ -97,7 +98,7 @@ def format_run(result: BenchResult) -> str:
     rows = [
         ("Successful requests:", f"{result.completed}"),
         ("Failed requests:", f"{result.failed}"),
-        (rate_name, _rate_label(result.request_rate)),
+        (rate_name, rate_label(result.request_rate)),
         ("Maximum request concurrency:", f"{result.max_concurrency}"),
         ("Benchmark duration (s):", f"{result.duration:.2f}"),
         ("Total input tokens:", f"{result.total_input_tokens}"),
@@ -138,7 +139,7 @@ def markdown_table(results: Sequence[BenchResult]) -> str:
         mode, input_len = series_key(r)
         cells = [
             mode, f"{input_len if input_len is not None else '-'}",
-            f"{r.output_len if r.output_len is not None else '-'}", _rate_label(r.request_rate),
+            f"{r.output_len if r.output_len is not None else '-'}", rate_label(r.request_rate),
             f"{r.completed} / {r.failed}", _fmt(r.request_throughput, 2),
             _fmt(r.output_throughput), _fmt(r.median_ttft_ms), _fmt(r.p99_ttft_ms),
             _fmt(r.median_tpot_ms, 2), _fmt(r.p99_tpot_ms, 2), _fmt(r.median_itl_ms, 2),
@@ -189,7 +190,7 @@ def ratio_table(results: Sequence[BenchResult], mode: str = "push", baseline: st
     head = ["input", "rate (req/s)"] + [f"{label} {mode}/{baseline}" for _, label in RATIO_METRICS]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for input_len, rate, ratios in rows:
-        cells = [f"{input_len}", _rate_label(rate)]
+        cells = [f"{input_len}", rate_label(rate)]
         cells += [_fmt(ratios[k], 2) for k, _ in RATIO_METRICS]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -210,7 +211,7 @@ def _series(results: Sequence[BenchResult]) -> dict[SeriesKey, list[BenchResult]
 
 
 def _set_rate_ticks(ax, rates: list[float]) -> None:
-    ax.set_xticks(range(len(rates)), [_rate_label(r) for r in rates])
+    ax.set_xticks(range(len(rates)), [rate_label(r) for r in rates])
     ax.set_xlabel("request rate (req/s)")
     ax.grid(True, alpha=0.3)
 

@@ -19,6 +19,7 @@ import msgspec
 from pdserve.bench import report
 from pdserve.bench.capacity import PrefillCapacity
 from pdserve.bench.metrics import BenchResult, load_result
+from pdserve.bench.report import rate_label
 
 PointKey = tuple[str, int, str]  # (mode, input length, rate label)
 
@@ -68,11 +69,6 @@ class SweepManifest(msgspec.Struct, kw_only=True):
     capacity_error: str | None = None
     points: list[PointOutcome] = msgspec.field(default_factory=list)
     interrupted: bool = False
-
-
-def rate_label(rate: float | str) -> str:
-    """A rate as written in file names and tables: 0.5, 2, inf."""
-    return "inf" if math.isinf(float(rate)) else f"{float(rate):g}"
 
 
 def result_key(result: BenchResult) -> PointKey:
