@@ -63,6 +63,9 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     threads: int | None = None  # torch intra-op threads; None keeps torch's default
+    # Test/bench knob (`serve --fault-step-delay-ms`, hidden): sleep this long in every step,
+    # to make one instance of a cluster slow for routing benchmarks and tests.
+    fault_step_delay_s: float = 0.0
 
 
 @dataclass(frozen=True)

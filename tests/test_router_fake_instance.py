@@ -1,7 +1,7 @@
 """A fake pdserve instance for router and launcher tests (no model, no engine).
 
 It serves the HTTP contract a router relies on (`/health`, `/kv/info`, `/load`,
-`/v1/models`, `/v1/completions`, `/v1/chat/completions` with SSE streaming) and records
+`/tokenize`, `/v1/models`, `/v1/completions`, `/v1/chat/completions` with SSE streaming) and records
 every completion request it receives: the body (so `kv_transfer_params` can be checked),
 when it arrived, when the answer was sent, and whether the client went away first.
 Tests change `behavior` while it runs (they share the process when it runs in a thread).
@@ -96,7 +96,7 @@ class Behavior:
     die_after_chunks: int | None = None  # drop the connection mid-stream (a crashed D)
     head_event: bool = False  # a stream opens with a token-less role event (like chat)
     return_params: bool = True  # a prefill leg answers with kv_transfer_params
-    load: dict[str, int] = field(
+    load: dict[str, Any] = field(
         default_factory=lambda: {
             "num_running": 0,
             "num_waiting": 0,
@@ -117,6 +117,7 @@ class FakeInstance:
         self.incarnation = uuid.uuid4().hex
         self.side_channel_port = free_port()
         self.received: list[Received] = []
+        self.tokenized = 0  # POST /tokenize calls
         self.arrived = threading.Event()  # set at the first completion request
         self.app = build_app(self)
         self._server = ThreadServer(self.app, port)
@@ -154,8 +155,15 @@ def build_app(fake: FakeInstance) -> FastAPI:
         return fake.info()
 
     @app.get("/load")
-    async def load() -> dict[str, int]:
+    async def load() -> dict[str, Any]:
         return fake.behavior.load
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict[str, int]:
+        # Byte-level, like builtin models: one token per UTF-8 byte of the prompt text.
+        body = msgspec.json.decode(await request.body())
+        fake.tokenized += 1
+        return {"count": len(str(body.get("prompt", "")).encode())}
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

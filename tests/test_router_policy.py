@@ -9,54 +9,73 @@ import httpx
 import pytest
 from test_router_fake_instance import FakeInstance, running_router, wait_for
 
-from pdserve.router.policy import LeastLoaded, RoundRobin, make_policy
-from pdserve.transfer.params import InstanceLoad
+from pdserve.router.load_model import Demand
+from pdserve.router.policy import LeastLoaded, LeastTokens, LoadAware, RoundRobin, make_policy
+from pdserve.server.load_report import LoadReport
 
 pytestmark = pytest.mark.timeout(60)
 
 PROMPT = {"model": "fake-model", "prompt": "hello", "max_tokens": 4}
+DEMAND = Demand(prompt_tokens=100, decode_tokens=16)
 
 
 @dataclass
 class Stub:
+    """A candidate: the router's counts and the instance's last report."""
+
     url: str
     outstanding: int = 0
-    load: InstanceLoad | None = None
+    load: LoadReport | None = None
+    outstanding_tokens: int = 0
+    unreported_legs: int = 0
+    unreported_prompt_tokens: int = 0
+    unreported_decode_tokens: int = 0
 
 
-def _load(running: int, waiting: int = 0) -> InstanceLoad:
-    return InstanceLoad(
+def _load(running: int, waiting: int = 0, **extra: object) -> LoadReport:
+    return LoadReport(
         num_running=running,
         num_waiting=waiting,
         num_waiting_for_kv=0,
         kv_blocks_used=0,
         kv_blocks_total=10,
+        **extra,  # type: ignore[arg-type]
     )
 
 
 def test_round_robin_cycles_through_candidates() -> None:
     a, b, c = Stub("a"), Stub("b"), Stub("c")
     policy = RoundRobin()
-    assert [policy.pick([a, b, c]).url for _ in range(6)] == ["a", "b", "c", "a", "b", "c"]
+    picks = [policy.pick([a, b, c], DEMAND).url for _ in range(6)]
+    assert picks == ["a", "b", "c", "a", "b", "c"]
 
 
 def test_least_loaded_prefers_fewest_outstanding_then_reported_load() -> None:
     policy = LeastLoaded()
-    assert policy.pick([Stub("a", 2), Stub("b", 1), Stub("c", 3)]).url == "b"
+    assert policy.pick([Stub("a", 2), Stub("b", 1), Stub("c", 3)], DEMAND).url == "b"
     busy, idle = Stub("busy", 1, _load(5)), Stub("idle", 1, _load(0, 1))
-    assert policy.pick([busy, idle]).url == "idle"
+    assert policy.pick([busy, idle], DEMAND).url == "idle"
     # Outstanding counts come first: a lower reported load does not beat more legs in flight.
-    assert policy.pick([Stub("a", 2, _load(0)), Stub("b", 1, _load(9))]).url == "b"
+    assert policy.pick([Stub("a", 2, _load(0)), Stub("b", 1, _load(9))], DEMAND).url == "b"
 
 
 def test_least_loaded_rotates_among_equal_candidates() -> None:
     policy = LeastLoaded()
     a, b = Stub("a"), Stub("b")
-    assert {policy.pick([a, b]).url for _ in range(2)} == {"a", "b"}
+    assert {policy.pick([a, b], DEMAND).url for _ in range(2)} == {"a", "b"}
+
+
+def test_least_tokens_counts_tokens_not_legs() -> None:
+    policy = LeastTokens()
+    many_small = Stub("small", outstanding=3, outstanding_tokens=30)
+    one_big = Stub("big", outstanding=1, outstanding_tokens=500)
+    assert policy.pick([one_big, many_small], DEMAND).url == "small"
 
 
 def test_make_policy_rejects_unknown_names() -> None:
     assert isinstance(make_policy("least_loaded"), LeastLoaded)
+    assert isinstance(make_policy("least_tokens"), LeastTokens)
+    assert isinstance(make_policy("load_aware", "prefill"), LoadAware)
     with pytest.raises(ValueError):
         make_policy("random")  # type: ignore[arg-type]
 

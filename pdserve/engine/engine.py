@@ -10,6 +10,7 @@ fails. `check_integrity()` verifies the pool (tests call it after every scenario
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 
 import torch
@@ -177,6 +178,8 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if not sched.seqs:
             return []
+        if self.cfg.fault_step_delay_s:
+            time.sleep(self.cfg.fault_step_delay_s)
         try:
             sampled = self.runner.execute(sched.seqs, self._layer_hook(sched))
         except Exception as exc:  # one bad batch must not kill the instance

@@ -228,6 +228,7 @@ def _describe(inst: Instance) -> dict[str, Any]:
         "admitted": inst.admitted,
         "consecutive_failures": inst.failures,
         "outstanding": inst.outstanding,
+        "outstanding_tokens": inst.outstanding_tokens,
         "info": info,
         "load": load,
     }

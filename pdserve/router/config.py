@@ -8,8 +8,15 @@ from typing import Literal
 from pdserve.server.body_limit import MAX_BODY_BYTES
 
 TransferMode = Literal["pull", "push"]
-PolicyName = Literal["round_robin", "least_loaded"]
-POLICY_NAMES: tuple[PolicyName, ...] = ("round_robin", "least_loaded")
+PolicyName = Literal["round_robin", "least_loaded", "least_tokens", "load_aware"]
+POLICY_NAMES: tuple[PolicyName, ...] = ("round_robin", "least_loaded", "least_tokens", "load_aware")
+
+# Prompts shorter than this (in tokens) are prefilled on the decode instance itself
+# (conditional disaggregation; 0 disables). Off by default: the 1P1D crossover measured on
+# the 2-core CPU machine lies between 32 and 64 tokens (local prefill wins TTFT and costs
+# D's other requests little below it; from 128 tokens on it raises their TPOT 1.2-6.6x),
+# so `--local-prefill-below 64` is the measured setting (docs/router.md, "Local prefill").
+DEFAULT_LOCAL_PREFILL_BELOW = 0
 
 
 @dataclass(frozen=True)
@@ -30,7 +37,10 @@ class RouterConfig:
     health_interval_s: float = 1.0
     health_timeout_s: float = 2.0  # a busy CPU instance can answer /health slowly
     health_failures_to_eject: int = 2
-    load_interval_s: float = 0.5
+    load_interval_s: float = 0.25  # `/load` polls, for the policies that use it
+    local_prefill_below: int = DEFAULT_LOCAL_PREFILL_BELOW
+    # Decode tokens a request is counted for when the client sets no max_tokens (chat).
+    default_max_tokens: int = 256
     # HTTP/1.1 needs one connection per concurrent stream, so the pool must not be the limit.
     max_connections: int = 10_000
     max_keepalive_connections: int = 1_000
@@ -41,6 +51,8 @@ class RouterConfig:
             raise ValueError("the router needs at least one prefill and one decode instance")
         if min(self.request_timeout_s, self.health_interval_s, self.load_interval_s) <= 0:
             raise ValueError("timeouts and intervals must be positive")
+        if self.local_prefill_below < 0 or self.default_max_tokens < 1:
+            raise ValueError("local_prefill_below must be >= 0, default_max_tokens >= 1")
         if self.health_failures_to_eject < 1:
             raise ValueError("health_failures_to_eject must be at least 1")
 

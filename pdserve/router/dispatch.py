@@ -11,6 +11,15 @@ Until D's first token, a failing P leg cancels D's (closing D's stream aborts th
 there) and the client gets P's error; a failing D leg cancels P's. After D's first token
 the client is committed to D's stream and P's answer only feeds metrics.
 
+Local prefill (conditional disaggregation): a prompt shorter than `local_prefill_below`
+tokens goes straight to a decode instance as a plain request (no `kv_transfer_params`),
+which prefills it itself: no P leg, no transfer. Its length must be known exactly (token
+ids, or the instance's `/tokenize`); when it is not, the request is disaggregated.
+
+Choice: every leg's instance is picked by the policy with the request's `Demand` (prompt
+and decode tokens). In push mode the D leg's demand carries the predicted time until P
+has prefilled the prompt (`InstancePool.predict_prefill_s`), for `load_aware`.
+
 "D's first token" is its first substantive SSE event (`pdserve.router.sse`): events with
 no token (a chat stream's role head) are held back until then, because D may send them
 before it has the KV. The client gets nothing, not even the status line, before it.
@@ -18,8 +27,8 @@ before it has the KV. The client gets nothing, not even the status line, before 
 Both legs carry the client's `X-Request-Id` (or a new one) unchanged: P and D are separate
 engines and pair the transfer by `transfer_id`, so the shared id only joins their logs.
 
-Ownership: the outstanding-leg count of an instance is taken by `InstancePool.acquire` and
-given back exactly once: P's when its leg task ends (a done callback, so a task cancelled
+Ownership: a leg on an instance is opened by `InstancePool.acquire` and closed
+exactly once: P's when its leg task ends (a done callback, so a task cancelled
 before it ran still releases), D's by the dispatcher on failure before a response exists,
 afterwards by `DecodeRelay.finish`. An open upstream response is closed by whoever holds
 it when the request ends: `_open_decode` on its own failure or cancellation, then the
@@ -33,7 +42,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import anyio
@@ -43,8 +52,15 @@ from fastapi.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from pdserve.router.config import RouterConfig
-from pdserve.router.health import Instance, InstancePool, Role
+from pdserve.router.health import Instance, InstancePool, Leg, Role
+from pdserve.router.load_model import Demand
 from pdserve.router.metrics import RouterMetrics
+from pdserve.router.prompt_size import (
+    decode_tokens,
+    estimated_prompt_tokens,
+    token_id_count,
+    tokenized_count,
+)
 from pdserve.router.sse import EventAnnotator, StreamStartDetector
 from pdserve.server.errors import APIError
 
@@ -95,8 +111,11 @@ def prefill_body(body: dict[str, Any], params: Params) -> dict[str, Any]:
     return out
 
 
-def decode_body(body: dict[str, Any], params: Params) -> dict[str, Any]:
-    """The client's request with the D leg's params (any the client sent are replaced)."""
+def decode_body(body: dict[str, Any], params: Params | None) -> dict[str, Any]:
+    """The client's request with the D leg's params (any the client sent are replaced);
+    without params (local prefill) a plain request."""
+    if params is None:
+        return {k: v for k, v in body.items() if k != "kv_transfer_params"}
     return {**body, "kv_transfer_params": params}
 
 
@@ -142,11 +161,15 @@ class Dispatcher:
 
     async def dispatch(self, call: Call) -> Response:
         """The response for the client: D's stream or body, or an OpenAI-style JSON error."""
-        mode = self._config.kv_transfer
+        mode: str = self._config.kv_transfer
         try:
+            demand, exact = await self._demand(call)
+            if exact and demand.prompt_tokens < self._config.local_prefill_below:
+                mode = "local"
+                return await self._local(call, demand)
             if mode == "pull":
-                return await self._pull(call)
-            return await self._push(call)
+                return await self._pull(call, demand)
+            return await self._push(call, demand)
         except APIError as err:
             self._metrics.requests.labels(mode, str(err.status)).inc()
             return err.response(headers={"X-Request-Id": call.request_id})
@@ -158,52 +181,87 @@ class Dispatcher:
         """Cancel P legs still running in the background (router shutdown)."""
         await cancel_and_wait(*self._background)
 
+    # -- demand and local prefill ---------------------------------------------------------
+
+    async def _demand(self, call: Call) -> tuple[Demand, bool]:
+        """The request's tokens, and whether its prompt length is exact (`prompt_size`)."""
+        cfg = self._config
+        decode = decode_tokens(call.body, call.path, cfg.default_max_tokens)
+        prompt = token_id_count(call.body)
+        if prompt is None and cfg.local_prefill_below > 0:
+            prompt = await self._tokenize(call)
+        if prompt is None:
+            return Demand(estimated_prompt_tokens(call.body), decode), False
+        return Demand(prompt, decode), True
+
+    async def _tokenize(self, call: Call) -> int | None:
+        """The prompt length from a decode instance (the one that would prefill locally)."""
+        candidates = self._pool.admitted("decode")
+        if not candidates:
+            return None
+        d = min(candidates, key=lambda i: i.outstanding)
+        return await tokenized_count(
+            self._client, d.url, call.body, self._headers(call), self._config.health_timeout_s
+        )
+
+    async def _local(self, call: Call, demand: Demand) -> Response:
+        """A short prompt: one plain request to a decode instance, which prefills it."""
+        d, leg = self._acquire("decode", replace(demand, local_prefill=True))
+        try:
+            start = await self._open_decode(d, call, None)
+        except BaseException:
+            self._pool.release(d, leg)
+            raise
+        return self._respond(call, "local", d, leg, start, None)
+
     # -- pull -----------------------------------------------------------------------------
 
-    async def _pull(self, call: Call) -> Response:
+    async def _pull(self, call: Call, demand: Demand) -> Response:
         if not self._pool.admitted("decode"):  # don't spend a prefill nobody can decode
             raise _no_instance("decode")
-        p = self._acquire("prefill")
+        p, p_leg = self._acquire("prefill", demand)
         # A fresh transfer id: without one P would use the request id, and a client reusing
         # its X-Request-Id would collide with the previous request's hold on P.
         params = {"do_remote_decode": True, "transfer_mode": "pull", "transfer_id": _new_tid()}
         try:
             result = await self._prefill(p, call, params)
         finally:
-            self._pool.release(p)
+            self._pool.release(p, p_leg)
         if result.params is None:
             raise self._leg_error(
                 "prefill", p, "missing_params", 502, "returned no kv_transfer_params"
             )
-        d = self._acquire("decode")
+        d, d_leg = self._acquire("decode", demand)
         try:
             start = await self._open_decode(d, call, pull_decode_params(result.params))
         except BaseException:
-            self._pool.release(d)
+            self._pool.release(d, d_leg)
             raise
         self._observe_handoff(result, start.first_token_unix)
-        return self._respond(call, d, start, None, result.prefill_done_time)
+        return self._respond(call, "pull", d, d_leg, start, None, result.prefill_done_time)
 
     # -- push -----------------------------------------------------------------------------
 
-    async def _push(self, call: Call) -> Response:
-        p = self._acquire("prefill", need_push_info=True)
-        d = self._pool.acquire("decode")
-        if d is None:
-            self._pool.release(p)
+    async def _push(self, call: Call, demand: Demand) -> Response:
+        p, p_leg = self._acquire("prefill", demand, need_push_info=True)
+        ready_in = self._pool.predict_prefill_s(p)
+        acquired = self._pool.acquire("decode", replace(demand, ready_in_s=ready_in))
+        if acquired is None:
+            self._pool.release(p, p_leg)
             raise _no_instance("decode")
+        d, d_leg = acquired
         p_params, d_params = push_params(p, _new_tid())
         p_task = asyncio.create_task(self._prefill(p, call, p_params))
-        p_task.add_done_callback(lambda _: self._pool.release(p))
+        p_task.add_done_callback(lambda _: self._pool.release(p, p_leg))
         d_task = asyncio.create_task(self._open_decode(d, call, d_params))
         try:
             start = await self._first_token_or_prefill_error(p_task, d_task)
         except BaseException:
-            self._pool.release(d)
+            self._pool.release(d, d_leg)
             await cancel_and_wait(p_task, d_task)
             raise
         self._after_prefill(p_task, start.first_token_unix)
-        return self._respond(call, d, start, p_task)
+        return self._respond(call, "push", d, d_leg, start, p_task)
 
     @staticmethod
     async def _first_token_or_prefill_error(
@@ -236,11 +294,13 @@ class Dispatcher:
 
     # -- legs -----------------------------------------------------------------------------
 
-    def _acquire(self, role: Role, *, need_push_info: bool = False) -> Instance:
-        inst = self._pool.acquire(role, need_push_info=need_push_info)
-        if inst is None:
+    def _acquire(
+        self, role: Role, demand: Demand, *, need_push_info: bool = False
+    ) -> tuple[Instance, Leg]:
+        acquired = self._pool.acquire(role, demand, need_push_info=need_push_info)
+        if acquired is None:
             raise _no_instance(role, need_push_info)
-        return inst
+        return acquired
 
     def _headers(self, call: Call) -> dict[str, str]:
         headers = {"X-Request-Id": call.request_id, "Content-Type": "application/json"}
@@ -270,7 +330,7 @@ class Dispatcher:
         done = params_back.get("prefill_done_time")
         return PrefillResult(params_back, done if isinstance(done, int | float) else None)
 
-    async def _open_decode(self, d: Instance, call: Call, params: Params) -> DecodeStart:
+    async def _open_decode(self, d: Instance, call: Call, params: Params | None) -> DecodeStart:
         """Send the D leg and read up to its first token (all of it when not streaming).
         Closes D's response itself if it fails or is cancelled on the way."""
         sent = time.monotonic()
@@ -314,7 +374,9 @@ class Dispatcher:
     def _respond(
         self,
         call: Call,
+        mode: str,
         d: Instance,
+        leg: Leg,
         start: DecodeStart,
         p_task: asyncio.Task[PrefillResult] | None,
         prefill_done: float | None = None,
@@ -325,9 +387,10 @@ class Dispatcher:
         relay = DecodeRelay(
             self._pool,
             self._metrics,
-            self._config.kv_transfer,
+            mode,
             lambda exc: self._transport_error("decode", d, exc),
             d,
+            leg,
             start,
             p_task,
         )
@@ -376,11 +439,11 @@ class Dispatcher:
                 code=err.get("code"),
             )
         message = f"{leg} instance {inst.url} answered HTTP {status}: {err['message']}"
-        return APIError(502, message, code=err.get("code"))
+        return APIError(502, message, type=err.get("type"), code=err.get("code"))
 
 
 class DecodeRelay:
-    """Streams D's body to the client. Owns D's response and D's outstanding count from
+    """Streams D's body to the client. Owns D's response and D's leg from
     `Dispatcher._respond` until `close`/`finish`; in push mode also decides the P leg's fate
     (cancelled unless the request succeeded)."""
 
@@ -391,10 +454,12 @@ class DecodeRelay:
         mode: str,
         on_error: Callable[[httpx.HTTPError], APIError],
         d: Instance,
+        leg: Leg,
         start: DecodeStart,
         p_task: asyncio.Task[PrefillResult] | None,
     ) -> None:
         self._pool = pool
+        self._leg = leg
         self._metrics = metrics
         self._mode = mode
         self._on_error = on_error
@@ -447,7 +512,7 @@ class DecodeRelay:
         if self._finished:
             return
         self._finished = True
-        self._pool.release(self._d)
+        self._pool.release(self._d, self._leg)
         self._metrics.decode_leg.observe(time.monotonic() - self._start.sent)
         self._metrics.requests.labels(self._mode, outcome).inc()
         p = self._p_task

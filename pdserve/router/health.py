@@ -10,27 +10,49 @@ never seen healthy is not admitted. Identity: `GET /kv/info` is fetched on admis
 for prefill instances in push mode, every round, so a restarted P (new incarnation) is
 noticed within a round instead of being sent stale side-channel coordinates. Load:
 `GET /load` every `load_interval_s` while the policy uses it.
+
+Legs: `InstancePool.acquire` opens a `Leg` on the chosen instance and `release` closes it,
+exactly once (the dispatcher's ownership rules). An instance's outstanding legs and tokens
+are its open legs; those opened after its last `/load` was requested (less
+`LEG_SETTLE_S`) are "unreported" and the load model adds them to the report.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import dataclass, field
 
 import httpx
 import msgspec
 
 from pdserve.router.config import RouterConfig
-from pdserve.router.policy import Policy, make_policy
-from pdserve.transfer.params import InstanceInfo, InstanceLoad
+from pdserve.router.load_model import Demand, mean_rate, prefill_finish_s
+from pdserve.router.policy import Policy, Role, make_policy
+from pdserve.server.load_report import LoadReport
+from pdserve.transfer.params import InstanceInfo
 
 log = logging.getLogger(__name__)
 
-Role = Literal["prefill", "decode"]
+# How long a new leg may take to show up in an instance's load report.
+LEG_SETTLE_S = 0.1
+
+
+@dataclass(frozen=True, eq=False)
+class Leg:
+    """One leg of a request on one instance, from `acquire` to `release`."""
+
+    id: int
+    prompt_tokens: int  # tokens it counts as prompt work (P, or D prefilling locally)
+    decode_tokens: int  # tokens it counts as decode work (D)
+    opened: float  # time.monotonic()
+
+    @property
+    def tokens(self) -> int:
+        return self.prompt_tokens + self.decode_tokens
 
 
 @dataclass(eq=False)
@@ -41,10 +63,39 @@ class Instance:
     role: Role
     admitted: bool = False
     failures: int = 0  # consecutive failed health checks
-    outstanding: int = 0  # legs sent and not yet finished (the router's own count)
-    load: InstanceLoad | None = None
+    legs: dict[int, Leg] = field(default_factory=dict)  # open legs (the router's own count)
+    load: LoadReport | None = None
+    load_requested: float = 0.0  # time.monotonic() the poll that gave `load` was sent
     info: InstanceInfo | None = None
     info_unsupported: bool = False  # /kv/info answered 404 (e.g. a vLLM instance)
+
+    @property
+    def outstanding(self) -> int:
+        """Legs sent and not yet finished."""
+        return len(self.legs)
+
+    @property
+    def outstanding_tokens(self) -> int:
+        return sum(leg.tokens for leg in self.legs.values())
+
+    def _unreported(self) -> list[Leg]:
+        # A leg opened just before the poll may not be in the instance's lists yet (its
+        # request is still on the wire or in the engine's inbox until the next step):
+        # counting it twice for one poll is safer than forgetting it.
+        since = self.load_requested - LEG_SETTLE_S
+        return [leg for leg in self.legs.values() if leg.opened >= since]
+
+    @property
+    def unreported_legs(self) -> int:
+        return len(self._unreported())
+
+    @property
+    def unreported_prompt_tokens(self) -> int:
+        return sum(leg.prompt_tokens for leg in self._unreported())
+
+    @property
+    def unreported_decode_tokens(self) -> int:
+        return sum(leg.decode_tokens for leg in self._unreported())
 
     @property
     def can_receive_push(self) -> bool:
@@ -61,10 +112,11 @@ class InstancePool:
         decode = [Instance(u, "decode") for u in config.decode_urls]
         self.instances: tuple[Instance, ...] = (*prefill, *decode)
         self._policies: dict[Role, Policy] = {
-            "prefill": make_policy(config.policy),
-            "decode": make_policy(config.policy),
+            "prefill": make_policy(config.policy, "prefill"),
+            "decode": make_policy(config.policy, "decode"),
         }
         self.uses_load = self._policies["prefill"].uses_load
+        self._leg_ids = itertools.count()
 
     def by_role(self, role: Role) -> list[Instance]:
         """Every configured instance of `role`, admitted or not."""
@@ -78,21 +130,38 @@ class InstancePool:
         """At least one admitted prefill and one admitted decode instance."""
         return bool(self.admitted("prefill")) and bool(self.admitted("decode"))
 
-    def acquire(self, role: Role, *, need_push_info: bool = False) -> Instance | None:
-        """Pick an admitted instance and count a leg on it; the caller must `release` it."""
+    def acquire(
+        self, role: Role, demand: Demand, *, need_push_info: bool = False
+    ) -> tuple[Instance, Leg] | None:
+        """Pick an admitted instance and open a leg on it; the caller must `release` it."""
         candidates = self.admitted(role)
         if need_push_info:
             candidates = [i for i in candidates if i.can_receive_push]
         if not candidates:
             return None
-        chosen = self._policies[role].pick(candidates)
-        chosen.outstanding += 1
-        return chosen
+        chosen = self._policies[role].pick(candidates, demand)
+        prefills = role == "prefill" or demand.local_prefill
+        prompt = demand.prompt_tokens if prefills else 0
+        decode = demand.decode_tokens if role == "decode" else 0
+        leg = Leg(next(self._leg_ids), prompt, decode, time.monotonic())
+        chosen.legs[leg.id] = leg
+        return chosen, leg
+
+    def predict_prefill_s(self, p: Instance) -> float:
+        """Predicted seconds until prefill instance `p` has worked off its backlog (which
+        includes a leg just opened there), at its measured rate or the mean of the other
+        prefill instances'; 0 when no rate is known (no prediction)."""
+        rate = mean_rate([p.load.prefill_tokens_per_s if p.load else None])
+        if rate is None:
+            rate = mean_rate(
+                [i.load.prefill_tokens_per_s for i in self.admitted("prefill") if i.load]
+            )
+        return prefill_finish_s(p, 0, rate) or 0.0
 
     @staticmethod
-    def release(instance: Instance) -> None:
-        """A leg counted by `acquire` has ended."""
-        instance.outstanding -= 1
+    def release(instance: Instance, leg: Leg) -> None:
+        """A leg opened by `acquire` has ended (a second release is a no-op)."""
+        instance.legs.pop(leg.id, None)
 
 
 class HealthMonitor:
@@ -190,12 +259,14 @@ class HealthMonitor:
         inst.info = info
 
     async def _poll_load(self, inst: Instance) -> None:
+        requested = time.monotonic()
         try:
             r = await self._client.get(f"{inst.url}/load", timeout=self._config.health_timeout_s)
             r.raise_for_status()
-            inst.load = msgspec.json.decode(r.content, type=InstanceLoad)
+            inst.load = msgspec.json.decode(r.content, type=LoadReport)
+            inst.load_requested = requested
         except (httpx.HTTPError, msgspec.DecodeError):
-            inst.load = None
+            inst.load, inst.load_requested = None, 0.0
 
 
 def _log_identity_change(inst: Instance, info: InstanceInfo) -> None:

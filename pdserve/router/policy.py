@@ -1,31 +1,43 @@
 """Instance selection policies: which of the admitted instances of one role gets a leg.
 
-A policy sees only `Candidate`s (URL, the legs the router has in flight there, and the
-instance's last `/load` report) and returns one of them. It keeps its own small cursor
-state, owned by the router's event loop, so one policy object serves one role.
-Load-aware push (choosing P and D together) will add a pair policy beside these.
+A policy sees only `Candidate`s (URL, the legs and tokens the router has in flight there,
+the instance's last `/load` report and what was sent since) and the request's `Demand`,
+and returns one candidate. It keeps its own small cursor state, owned by the router's
+event loop, so one policy object serves one role.
+
+- `round_robin`: the candidates in turn.
+- `least_loaded`: fewest legs in flight; ties to the lower reported queue; then rotate.
+- `least_tokens`: fewest tokens in flight (prompt tokens on P; max_tokens, plus the prompt
+  when prefilled locally, on D); ties as above.
+- `load_aware`: the lowest predicted cost from the instances' own reports
+  (`pdserve.router.load_model`): on P the predicted prefill finish; on D the predicted
+  drain time at the moment the KV arrives (`Demand.ready_in_s`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Protocol, TypeVar
+from collections.abc import Callable, Sequence
+from typing import Literal, Protocol, TypeVar
 
 from pdserve.router.config import PolicyName
+from pdserve.router.load_model import (
+    Demand,
+    LoadView,
+    decode_score,
+    mean_rate,
+    prefill_backlog,
+    prefill_finish_s,
+)
 from pdserve.transfer.params import InstanceLoad
 
+Role = Literal["prefill", "decode"]
 
-class Candidate(Protocol):
+
+class Candidate(LoadView, Protocol):
     """What a policy may look at."""
 
     @property
     def url(self) -> str: ...
-
-    @property
-    def outstanding(self) -> int: ...  # legs the router has sent there and not finished
-
-    @property
-    def load(self) -> InstanceLoad | None: ...  # last `GET /load`, None if never fetched
 
 
 C = TypeVar("C", bound=Candidate)
@@ -36,7 +48,7 @@ class Policy(Protocol):
 
     uses_load: bool  # True: the router must poll `/load` for this policy
 
-    def pick(self, candidates: Sequence[C]) -> C: ...
+    def pick(self, candidates: Sequence[C], demand: Demand) -> C: ...
 
 
 class RoundRobin:
@@ -47,7 +59,7 @@ class RoundRobin:
     def __init__(self) -> None:
         self._next = 0
 
-    def pick(self, candidates: Sequence[C]) -> C:
+    def pick(self, candidates: Sequence[C], demand: Demand) -> C:
         chosen = candidates[self._next % len(candidates)]
         self._next += 1
         return chosen
@@ -60,17 +72,16 @@ def load_score(load: InstanceLoad | None) -> int:
     return load.num_running + load.num_waiting + load.num_waiting_for_kv
 
 
-class LeastLoaded:
-    """Fewest outstanding legs as the router counts them; ties go to the lower reported load,
-    and remaining ties rotate so equal instances share the traffic."""
+class _Lowest:
+    """The candidate with the lowest key; exact ties rotate so equal instances share."""
 
     uses_load = True
 
     def __init__(self) -> None:
         self._rotation = 0
 
-    def pick(self, candidates: Sequence[C]) -> C:
-        keys = [(c.outstanding, load_score(c.load)) for c in candidates]
+    def _lowest(self, candidates: Sequence[C], key: Callable[[C], tuple[float, ...]]) -> C:
+        keys = [key(c) for c in candidates]
         best = min(keys)
         tied = [c for c, k in zip(candidates, keys, strict=True) if k == best]
         chosen = tied[self._rotation % len(tied)]
@@ -78,10 +89,77 @@ class LeastLoaded:
         return chosen
 
 
-def make_policy(name: PolicyName) -> Policy:
-    """A fresh policy object (one per role)."""
+class LeastLoaded(_Lowest):
+    """Fewest outstanding legs as the router counts them; ties go to the lower reported
+    load, and remaining ties rotate so equal instances share the traffic."""
+
+    def pick(self, candidates: Sequence[C], demand: Demand) -> C:
+        return self._lowest(candidates, lambda c: (c.outstanding, load_score(c.load)))
+
+
+class LeastTokens(_Lowest):
+    """Fewest outstanding tokens as the router counts them (see `Demand`); ties as in
+    `LeastLoaded`."""
+
+    def pick(self, candidates: Sequence[C], demand: Demand) -> C:
+        return self._lowest(
+            candidates, lambda c: (c.outstanding_tokens, c.outstanding, load_score(c.load))
+        )
+
+
+class LoadAware(_Lowest):
+    """The lowest predicted cost from the instances' reports (`load_model`); ties go to
+    fewer outstanding tokens, then rotate."""
+
+    def __init__(self, role: Role) -> None:
+        super().__init__()
+        self.role = role
+
+    def pick(self, candidates: Sequence[C], demand: Demand) -> C:
+        if self.role == "prefill":
+            rate = prefill_rate_for(candidates)
+            return self._lowest(
+                candidates,
+                lambda c: (_prefill_key(c, demand, rate(c)), c.outstanding_tokens),
+            )
+        steps = mean_rate([_steps(c) for c in candidates])
+        prefill = mean_rate([_prefill_rate(c) for c in candidates])
+        return self._lowest(
+            candidates,
+            lambda c: (
+                decode_score(c, demand, _steps(c) or steps, _prefill_rate(c) or prefill),
+                c.outstanding_tokens,
+            ),
+        )
+
+
+def prefill_rate_for(candidates: Sequence[Candidate]) -> Callable[[Candidate], float | None]:
+    """Each candidate's prefill rate, the mean of the known ones where it has none."""
+    fallback = mean_rate([_prefill_rate(c) for c in candidates])
+    return lambda c: _prefill_rate(c) or fallback
+
+
+def _prefill_key(c: Candidate, demand: Demand, rate: float | None) -> float:
+    finish = prefill_finish_s(c, demand.prompt_tokens, rate)
+    return float(prefill_backlog(c)) if finish is None else finish
+
+
+def _steps(c: Candidate) -> float | None:
+    return c.load.decode_steps_per_s if c.load is not None else None
+
+
+def _prefill_rate(c: Candidate) -> float | None:
+    return c.load.prefill_tokens_per_s if c.load is not None else None
+
+
+def make_policy(name: PolicyName, role: Role = "decode") -> Policy:
+    """A fresh policy object for one role."""
     if name == "round_robin":
         return RoundRobin()
     if name == "least_loaded":
         return LeastLoaded()
+    if name == "least_tokens":
+        return LeastTokens()
+    if name == "load_aware":
+        return LoadAware(role)
     raise ValueError(f"unknown policy {name!r}")

@@ -9,7 +9,12 @@ import os
 import uvicorn
 
 from pdserve.router.app import create_app
-from pdserve.router.config import POLICY_NAMES, RouterConfig, normalize_url
+from pdserve.router.config import (
+    DEFAULT_LOCAL_PREFILL_BELOW,
+    POLICY_NAMES,
+    RouterConfig,
+    normalize_url,
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -40,7 +45,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--policy",
         choices=POLICY_NAMES,
         default="round_robin",
-        help="instance selection per role (default: %(default)s)",
+        help="instance selection per role (default: %(default)s; docs/router.md)",
+    )
+    parser.add_argument(
+        "--local-prefill-below",
+        type=int,
+        default=DEFAULT_LOCAL_PREFILL_BELOW,
+        metavar="N",
+        help="prompts of fewer than N tokens are prefilled on the decode instance itself,"
+        " skipping prefill and transfer (0: never; default: %(default)s)",
     )
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
@@ -74,6 +87,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         port=args.port,
         api_key=args.api_key or None,
         request_timeout_s=args.request_timeout,
+        local_prefill_below=args.local_prefill_below,
     )
 
 

@@ -72,7 +72,9 @@ def create_app(async_engine: AsyncEngine, cfg: ServerConfig) -> FastAPI:
     gate = TransferGate(async_engine.engine)
     app.include_router(_api_routes(serving, gate, cfg.api_key))
     app.include_router(_ops_routes(serving, metrics))
-    app.include_router(kv_routes(async_engine))
+    # /tokenize (for routers' local-prefill choice) sits behind the same key as /v1/*.
+    tokenize_auth = [Depends(_bearer_auth(cfg.api_key))] if cfg.api_key else []
+    app.include_router(kv_routes(async_engine, serving, tokenize_auth))
     if async_engine.engine.connector is not None:
         metrics.registry.register(ConnectorCollector(async_engine.engine.connector))
     return app

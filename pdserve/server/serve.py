@@ -142,6 +142,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=LOG_LEVELS,
         help="log verbosity (default: %(default)s)",
     )
+    # Test/bench knob, hidden from --help: sleep this long in every engine step, so that one
+    # instance of a cluster is slow (routing benchmarks and tests; docs/router.md).
+    parser.add_argument("--fault-step-delay-ms", type=float, default=0.0, help=argparse.SUPPRESS)
     parser.epilog = (
         "Requests: /v1/completions defaults to max_tokens=16; /v1/chat/completions without "
         "max_tokens may generate up to the rest of the context. Extensions to OpenAI's "
@@ -170,7 +173,13 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
         max_num_seqs=args.max_num_seqs,
         max_prefill_chunk=args.max_prefill_chunk,
     )
-    engine = EngineConfig(model=model, cache=cache, scheduler=sched, threads=args.threads)
+    engine = EngineConfig(
+        model=model,
+        cache=cache,
+        scheduler=sched,
+        threads=args.threads,
+        fault_step_delay_s=max(0.0, args.fault_step_delay_ms) / 1000.0,
+    )
     server = ServerConfig(
         host=args.host,
         port=args.port,
