@@ -30,7 +30,11 @@ def make_engine(loaded, role: str, mode: str, transport: str = "tcp", num_blocks
     if role == "both":
         return LLMEngine(loaded, engine_config(num_blocks))
     ccfg = ConnectorConfig(role=role, mode=mode, engine_id=f"{role}-{uuid.uuid4().hex[:6]}", **kw)
-    tcfg = TransportConfig(kind=transport, timeout_s=kw.get("recv_timeout_s", 5.0))
+    tcfg = TransportConfig(
+        kind=transport,
+        timeout_s=kw.get("recv_timeout_s", 5.0),
+        cluster_token=kw.get("cluster_token"),
+    )
     return LLMEngine(loaded, engine_config(num_blocks), build_factory(ccfg, tcfg))
 
 

@@ -200,3 +200,65 @@ def test_router_killed_mid_stream_then_restarted(mode) -> None:
         t.start("router")
         assert ok_now(t.url("router")) == ["ok"] * 3
         t.wait_free()
+
+
+async def one_error(client: httpx.AsyncClient, url: str, b: dict) -> str | None:
+    """None for a full completion, else the message of the error the client saw."""
+    try:
+        async with client.stream("POST", f"{url}/v1/completions", json=b) as r:
+            if r.status_code != 200:
+                return (await r.aread()).decode()
+            lines = [line async for line in r.aiter_lines() if line.startswith("data: ")]
+    except httpx.HTTPError as exc:
+        return f"transport {type(exc).__name__}: {exc}"
+    errors = [line for line in lines if '"error"' in line]
+    if lines[-1] != "data: [DONE]" or errors:
+        return errors[0] if errors else "stream ended without [DONE]"
+    return None
+
+
+async def wait_loads(t: Trio, cond, timeout: float = 60.0) -> None:
+    """Poll /load of P and D until `cond(p_load, d_load)`."""
+    deadline = time.monotonic() + timeout
+    async with httpx.AsyncClient(timeout=5) as client:
+        while time.monotonic() < deadline:
+            p, d = [(await client.get(f"{t.url(n)}/load")).json() for n in ("p", "d")]
+            if cond(p, d):
+                return
+            await asyncio.sleep(0.05)
+    raise AssertionError("the cluster never reached the state to kill in")
+
+
+def test_kill_decode_while_registered_in_push_mode() -> None:
+    """D dies while its blocks are registered on P and P is still prefilling the prompts
+    (one running, the others queued): every client gets a clear error within BOUND_S, P
+    frees every prompt's blocks (the router cancels the P legs; a prompt already handed
+    to P's writer fails its write or its lease ends), and a restarted D (new incarnation)
+    serves the next requests."""
+    with Trio("push", p_args=("--kv-lease", "3")) as t:
+        old = httpx.get(f"{t.url('d')}/kv/info").json()["incarnation"]
+
+        async def scenario() -> list[str | None]:
+            async with httpx.AsyncClient(timeout=BOUND_S) as client:
+                long_prompts = [body(2500 + 100 * i, seed=i) for i in range(4)]
+                tasks = [
+                    asyncio.ensure_future(one_error(client, t.url("router"), b))
+                    for b in long_prompts
+                ]
+                await wait_loads(
+                    t,
+                    lambda p, d: (
+                        d["num_waiting_for_kv"] >= 2 and p["num_running"] + p["num_waiting"] >= 2
+                    ),
+                )
+                t.kill("d")
+                return list(await asyncio.wait_for(asyncio.gather(*tasks), BOUND_S + 10))
+
+        errors = asyncio.run(scenario())
+        assert all(e is not None and "decode instance" in e for e in errors), errors
+        t.wait_free(("p",))  # every prompt's blocks are back on P
+        t.start("d")
+        assert httpx.get(f"{t.url('d')}/kv/info").json()["incarnation"] != old
+        t.wait_router_healthy()
+        assert ok_now(t.url("router")) == ["ok"] * 3
+        t.wait_free()

@@ -94,7 +94,9 @@ class PD:
             self.template = {**self.prefill(), "do_remote_prefill": True}
             r = self.d.complete(PROMPT, self.template)
             assert r.status_code == 200, r.text
-        return {**self.template, "transfer_id": uuid.uuid4().hex}
+        # Unsigned (no cluster token here): a lease end far away keeps D's own expiry
+        # check out of the way, so what these tests meet is the check they are about.
+        return {**self.template, "transfer_id": uuid.uuid4().hex, "expires_at": time.time() + 3600}
 
     def push_params(self, tid: str) -> dict[str, Any]:
         c = self.p.llm.connector
@@ -297,16 +299,18 @@ def test_block_ids_out_of_range_are_a_400_once_p_is_known(pull: PD) -> None:
 def test_block_ids_out_of_range_on_first_contact_move_nothing(
     loaded: LoadedModel, pull: PD
 ) -> None:
-    """A decode instance that never met P cannot check the range before its handshake; the
-    transport refuses the whole descriptor list before posting (the last layer's slice of
-    any block beyond P's cache lies outside P's region), so nothing is read."""
+    """A decode instance that never met P cannot check the range before its handshake; P
+    refuses the claim (those blocks are not the transfer's), so nothing is read. (Behind
+    that, the transport would refuse the descriptor list: the last layer's slice of any
+    block beyond P's cache lies outside P's region.)"""
     stack: list[Callable[[], None]] = []
     try:
         fresh = serve(make_engine(loaded, "decode", "pull", **D_KW), stack)
         nb = pull.p.llm.pool.num_blocks
         params = {**pull.decode_params(), "remote_block_ids": [nb, nb + 1, nb + 2]}
         r = fresh.complete(PROMPT, params)
-        assert r.status_code >= 500 and "outside" in r.json()["error"]["message"], r.text
+        assert r.status_code == 400 and "do not belong" in r.json()["error"]["message"], r.text
+        assert r.json()["error"]["code"] == "kv_params_rejected"
         assert fresh.llm.connector is not None and fresh.llm.connector.stats.transfers == 0
         assert fresh.drained()
     finally:
@@ -325,17 +329,57 @@ def test_unknown_engine_id_is_a_prompt_clear_error(pull: PD) -> None:
 def test_unreachable_address_fails_within_the_handshake_timeout(pull: PD) -> None:
     params = {**pull.stale_params(), "remote_port": free_port()}  # nobody listens there
     r = pull.d.complete(PROMPT, params)
-    assert r.status_code >= 500, r.text
-    assert "handshake" in r.json()["error"]["message"] or "no KV" in r.json()["error"]["message"]
+    assert r.status_code == 502, r.text
+    err = r.json()["error"]
+    assert err["type"] == "kv_transfer_error" and err["code"] == "kv_peer_unreachable", err
+    assert "handshake" in err["message"] and "timed out" in err["message"], err
     pull.assert_healthy()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="pull handshakes run on D's single reader thread: one unreachable P delays every "
-    "other pull until its handshake times out (connector change, see the report)",
-)
+def sse_events(r: Any) -> list[Any]:
+    lines = [x.removeprefix("data: ") for x in r.text.splitlines() if x.startswith("data: ")]
+    assert lines[-1] == "[DONE]", r.text
+    return [json.loads(x) for x in lines[:-1]]
+
+
+def test_transfer_failure_in_a_stream_is_an_error_event(pull: PD) -> None:
+    """Streamed, the status line is out before the KV fails: the cause comes as an SSE
+    error event of the same type and code, then [DONE]."""
+    params = {**pull.stale_params(), "remote_port": free_port()}
+    r = pull.d.complete(PROMPT, params, stream=True)
+    assert r.status_code == 200
+    events = sse_events(r)
+    err = events[-1]["error"]
+    assert err["type"] == "kv_transfer_error" and err["code"] == "kv_peer_unreachable", err
+    assert not any("choices" in e for e in events)
+    pull.assert_healthy()
+
+
+def test_read_of_a_hold_that_is_gone_is_a_lease_error(pull: PD) -> None:
+    """Params whose hold P has released (here: used once already) are refused by P's
+    claim, so D never reads blocks that may now belong to other requests."""
+    params = pull.stale_params()
+    before = pull.d.llm.connector.stats.transfers
+    r = pull.d.complete(PROMPT, params)
+    assert r.status_code == 502, r.text
+    err = r.json()["error"]
+    assert err["code"] == "kv_lease_expired" and "not held" in err["message"], err
+    assert pull.d.llm.connector.stats.transfers == before
+    pull.assert_healthy()
+
+
+def test_push_prompt_that_never_comes_is_a_transfer_error(push: PD) -> None:
+    r = push.d.complete(PROMPT, push.push_params(uuid.uuid4().hex))  # no P leg
+    assert r.status_code == 502, r.text
+    err = r.json()["error"]
+    assert err["type"] == "kv_transfer_error" and err["code"] == "kv_transfer_failed", err
+    assert "never finished" in err["message"], err
+    push.assert_healthy()
+
+
 def test_unreachable_address_does_not_delay_other_pulls(pull: PD) -> None:
+    """Each prefill instance has its own lane on D: a pull stuck in a handshake with an
+    address nobody answers at does not hold up a pull from the live P."""
     bad = {**pull.stale_params(), "remote_port": free_port(), "transfer_id": "t-unreachable"}
     slow = in_background(lambda: pull.d.complete(PROMPT, bad))
     wait_until(lambda: pull.d.engine.stats().num_waiting_for_kv == 1)

@@ -31,7 +31,7 @@ from pdserve.model.loader import LoadedModel, load_model
 from pdserve.transfer import messages as m
 from pdserve.transfer.connector import ConnectorConfig
 from pdserve.transfer.factory import build_factory
-from pdserve.transfer.side_channel import Address, SideChannel, new_nonce
+from pdserve.transfer.side_channel import Address, ReplayGuard, SideChannel, new_nonce
 from tests.pd_harness import Pair, _fields
 
 pytestmark = pytest.mark.timeout(120)
@@ -153,7 +153,9 @@ def test_forged_pull_done_does_not_release_the_hold(make_pair, forger, reference
     held = pair.p.pool.num_used
     assert held > 0 and kv.transfer_id in pair.p.connector.holds
 
-    sent = forger.send_all(side_address(pair.p), m.PullDone(transfer_id=kv.transfer_id, ok=True))
+    # The forgery names the right blocks: only the missing proof of the token stops it.
+    forged = m.PullDone(transfer_id=kv.transfer_id, ok=True, block_ids=kv.remote_block_ids)
+    sent = forger.send_all(side_address(pair.p), forged)
     rejected(pair, pair.p, sent)
     assert pair.p.pool.num_used == held and kv.transfer_id in pair.p.connector.holds
 
@@ -233,15 +235,20 @@ def test_forged_hello_gets_no_answer_and_no_peer(make_pair, forger) -> None:
 
 @pytest.mark.parametrize("mode", ["pull", "push"])
 def test_instance_with_the_wrong_token_cannot_take_part(make_pair, mode) -> None:
-    """D holds another token: P drops its handshake, so the request fails with a clear
-    error within the handshake timeout, and P's blocks come back (lease)."""
+    """D holds another token: in pull, D refuses P's signature before contacting P; in
+    push, P drops D's handshake, so the request fails with a clear error within the
+    handshake timeout. Either way P's blocks come back (lease)."""
     pair = make_pair(
         mode, d_token="other-token", handshake_timeout_s=0.5, lease_s=1.0, registration_ttl_s=1.0
     )
     out = pair.generate("r", PROMPT, GREEDY)
     assert out.finish_reason is FinishReason.ERROR
-    assert "handshake" in out.error and "timed out" in out.error, out.error
-    assert pair.p.connector.side.num_rejected >= 1
+    if mode == "pull":
+        assert "[params_rejected]" in out.error and "signature" in out.error, out.error
+        assert pair.d.connector.stats.transfers == 0
+    else:
+        assert "handshake" in out.error and "timed out" in out.error, out.error
+        assert pair.p.connector.side.num_rejected >= 1
     d = pair.d.connector.cfg
     assert pair.p.connector.known_peer(d.engine_id, d.incarnation) is None
     pair.settle(timeout=10.0)
@@ -253,10 +260,11 @@ def test_frames_are_accepted_with_the_token(make_pair, forger) -> None:
     pair = make_pair("pull")
     pair.submit_p("r-p", PROMPT)
     pair.run_until(lambda: pair.finished("r-p"))
-    tid = pair.finished("r-p").kv_transfer_params.transfer_id
+    kv = pair.finished("r-p").kv_transfer_params
     signed = SideChannel(lambda msg: None, token=TOKEN)
     try:
-        signed.send(side_address(pair.p), m.PullDone(transfer_id=tid, ok=True))
+        done = m.PullDone(transfer_id=kv.transfer_id, ok=True, block_ids=kv.remote_block_ids)
+        signed.send(side_address(pair.p), done)
         pair.settle(timeout=5.0)
     finally:
         signed.close()
@@ -280,5 +288,110 @@ def test_envelope_shape_is_what_the_forger_mimics() -> None:
         ctx.term()
     mac, frame = got[0]
     assert len(mac) == 32
-    sent_at, body = msgspec.msgpack.decode(frame)
-    assert isinstance(sent_at, float) and isinstance(m.decode(body), m.PullDone)
+    sent_at, nonce, body = msgspec.msgpack.decode(frame)
+    assert isinstance(sent_at, float) and len(nonce) == 16
+    assert isinstance(m.decode(body), m.PullDone)
+
+
+def capture_frame(msg: m.Message, token: str | None = TOKEN) -> list[bytes]:
+    """A genuine frame of `msg`, as a cluster member sends it, caught on the wire."""
+    ctx = zmq.Context()
+    pull = ctx.socket(zmq.PULL)
+    port = pull.bind_to_random_port("tcp://127.0.0.1")
+    sender = SideChannel(lambda msg: None, token=token)
+    try:
+        sender.send(("127.0.0.1", port), msg)
+        assert pull.poll(2000)
+        return pull.recv_multipart()
+    finally:
+        sender.close()
+        pull.close(0)
+        ctx.term()
+
+
+def test_captured_frame_replayed_is_dropped() -> None:
+    """A frame caught on the wire and sent again (within the age window, MAC intact) is
+    applied once: the copy is counted as rejected and never reaches the handler."""
+    heard: list[m.Message] = []
+    receiver = SideChannel(heard.append, token=TOKEN)
+    ctx = zmq.Context()
+    raw = ctx.socket(zmq.PUSH)
+    raw.setsockopt(zmq.LINGER, 0)
+    try:
+        frame = capture_frame(m.PushFailed(transfer_id="t-victim", reason="captured"))
+        raw.connect(f"tcp://{receiver.address[0]}:{receiver.address[1]}")
+        for _ in range(3):  # the original delivery, then two replays
+            raw.send_multipart(frame)
+        deadline = time.monotonic() + 5.0
+        while receiver.num_rejected < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert receiver.num_rejected == 2
+        assert [type(x) for x in heard] == [m.PushFailed]
+        # A fresh frame with the same body (new nonce) is still accepted.
+        raw.send_multipart(capture_frame(m.PushFailed(transfer_id="t-victim", reason="captured")))
+        deadline = time.monotonic() + 5.0
+        while len(heard) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(heard) == 2 and receiver.num_rejected == 2
+    finally:
+        raw.close(0)
+        ctx.term()
+        receiver.close()
+
+
+def test_pull_claims_grant_a_hold_to_one_reader_only(make_pair) -> None:
+    """P grants a hold to one claimant: another instance's claim and its PullDone are
+    refused/ignored, and a claim sent again once the hold is gone is refused (by then the
+    blocks may belong to other requests)."""
+    pair = make_pair("pull")
+    pair.submit_p("r-p", PROMPT)
+    pair.run_until(lambda: pair.finished("r-p"))
+    kv = pair.finished("r-p").kv_transfer_params
+    held = pair.p.pool.num_used
+    member = SideChannel(lambda msg: None, token=TOKEN)
+    to = side_address(pair.p)
+
+    def claim(engine_id: str, blocks: list[int]) -> m.PullClaimReply:
+        msg = m.PullClaim(
+            nonce=new_nonce(),
+            transfer_id=kv.transfer_id,
+            block_ids=blocks,
+            engine_id=engine_id,
+            incarnation="1",
+            reply_to=member.address,
+        )
+        reply = member.request(to, msg, timeout=2.0)
+        assert isinstance(reply, m.PullClaimReply)
+        return reply
+
+    def done(engine_id: str) -> m.PullDone:
+        return m.PullDone(transfer_id=kv.transfer_id, ok=True, engine_id=engine_id, incarnation="1")
+
+    try:
+        other_blocks = [b + 1 for b in kv.remote_block_ids]
+        assert "do not belong" in (claim("decode-x", other_blocks).error or "")
+        assert claim("decode-x", kv.remote_block_ids).error is None
+        assert "another instance" in (claim("decode-y", kv.remote_block_ids).error or "")
+        member.send(to, done("decode-y"))  # not the claimant: ignored
+        time.sleep(0.2)
+        pair.step(only=pair.p)
+        assert pair.p.pool.num_used == held
+        member.send(to, done("decode-x"))
+        pair.settle(timeout=5.0)  # the claimant's PullDone freed the hold
+        again = claim("decode-x", kv.remote_block_ids)
+        assert again.error and again.lease_expired
+    finally:
+        member.close()
+
+
+def test_replay_guard_stays_bounded_and_never_readmits() -> None:
+    guard = ReplayGuard(max_age_s=120.0, capacity=3)
+    now = 1000.0
+    for i in range(5):
+        assert guard.check(now + i, bytes([i]), now + i) is None
+    assert len(guard._seen) == 3  # the two oldest were forgotten...
+    assert "stale" in guard.check(now + 0, bytes([0]), now + 5)  # ...and cannot come back
+    assert "stale" in guard.check(now + 1, b"new", now + 5)  # nor anything as old
+    assert "replayed" in guard.check(now + 4, bytes([4]), now + 5)
+    assert guard.check(now + 5, b"fresh", now + 5) is None
+    assert "stale" in guard.check(now - 200, b"ancient", now + 5)

@@ -16,6 +16,10 @@ Hostile input is refused before it costs much: a text prompt far beyond the capa
 refused after tokenizing a prefix (`encode_bounded`), token-id prompts are measured before
 their ids are checked, and text that is not valid Unicode (lone surrogates) is a 400.
 
+Errors of a finished generation (`finish_error`): an engine that stopped is a 503, an
+abort a 503, a P/D request whose KV transfer failed a 502 `kv_transfer_error` naming the
+cause (`kv_transfer_error`), anything else a 500 `engine_error`.
+
 Ownership: a request's KV blocks belong to the engine thread. This module only holds the
 async generator returned by `AsyncEngine.generate`; closing it (done by `aclosing` on every
 path: normal end, error, client disconnect, cancellation) aborts the request, which is how
@@ -43,12 +47,14 @@ from pdserve.server.protocol import (
     ModelList,
     SamplingFields,
 )
+from pdserve.transfer.connector import parse_transfer_error
 from pdserve.transfer.params import InvalidKVTransferParams, parse_kv_transfer_params
 
 if TYPE_CHECKING:
     from pdserve.server.metrics import RequestTimer, ServerMetrics
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16
+KV_TRANSFER_ERROR_TYPE = "kv_transfer_error"
 # Temperatures below this sample greedily (vLLM's _SAMPLING_EPS).
 _GREEDY_BELOW = 1e-5
 # First prefix measured by `encode_bounded`, in characters per allowed token.
@@ -364,10 +370,26 @@ def finish_error(gen_error: str | None, reason: FinishReason, engine_alive: bool
             f"The request was aborted: {gen_error or 'aborted'}",
             code="request_aborted",
         )
+    transfer = parse_transfer_error(gen_error)
+    if transfer is not None:
+        return kv_transfer_error(*transfer)
     return APIError(
         HTTPStatus.INTERNAL_SERVER_ERROR,
         f"The engine failed the request: {gen_error or 'unknown error'}",
         code="engine_error",
+    )
+
+
+def kv_transfer_error(cause: str, detail: str) -> APIError:
+    """The client's error for a P/D request whose KV never arrived (see
+    pdserve.transfer.connector.TRANSFER_ERROR_CAUSES): a 502 of type `kv_transfer_error`
+    (an upstream, the prefill instance or the link to it, failed; retrying may work), or a
+    400 when the params were not signed by a prefill instance of this cluster."""
+    message = f"KV transfer failed ({cause.replace('_', ' ')}): {detail}"
+    if cause == "params_rejected":
+        return bad_request(message, param="kv_transfer_params", code="kv_params_rejected")
+    return APIError(
+        HTTPStatus.BAD_GATEWAY, message, type=KV_TRANSFER_ERROR_TYPE, code=f"kv_{cause}"
     )
 
 

@@ -25,6 +25,7 @@ from pdserve.engine.types import EngineRequest
 from pdserve.server.errors import bad_request
 from pdserve.transfer.params import (
     InvalidKVTransferParams,
+    KVTransferParams,
     check_for_instance,
     check_remote_blocks,
 )
@@ -63,6 +64,7 @@ class TransferGate:
             self._check_remote_blocks(er)
         except InvalidKVTransferParams as exc:
             raise bad_request(str(exc), param="kv_transfer_params") from exc
+        self._check_signature(p)
         if tid in self.claims or self._engine_uses(tid):
             raise bad_request(
                 f"kv_transfer_params.transfer_id {tid!r} is in use by a transfer in flight; "
@@ -76,6 +78,20 @@ class TransferGate:
     def release(self, claim: TransferClaim) -> None:
         if self.claims.get(claim.transfer_id) == claim.request_id:
             del self.claims[claim.transfer_id]
+
+    def _check_signature(self, p: KVTransferParams) -> None:
+        """Pull with a cluster token: P's signature, refused before any stream starts."""
+        c = self.engine.connector
+        if c is None or not p.do_remote_prefill:
+            return
+        try:
+            c.check_params(p)
+        except InvalidKVTransferParams as exc:
+            raise bad_request(
+                f"KV transfer failed (params rejected): {exc}",
+                param="kv_transfer_params",
+                code="kv_params_rejected",
+            ) from exc
 
     def _check_remote_blocks(self, er: EngineRequest) -> None:
         """Pull: P's block ids against P's cache size, when a handshake told us that."""

@@ -19,14 +19,15 @@ Scheduler side (called only from the engine thread; may touch the block pool):
     hold released) and the deadlines; returns the events the engine must act on.
 
 Worker side (connector threads; never the engine thread, never the block pool):
-  the side-channel receiver, and the mode's transfer thread(s): pull's reader on D,
-  push's writer on P. They report to the engine thread through one event queue and
+  the side-channel receiver, and the mode's transfer thread(s): pull's lanes on D (one
+  per prefill instance, so a dead or slow one delays only its own requests), push's
+  writer on P. They report to the engine thread through one event queue and
   wake it with `wake()`.
 
 Who owns a block, at every moment:
   P: request id (prefilling) -> "hold:<tid>" (lease: pull until D's PullDone or
-     `lease_s`; push until the WRITE completes, fails, or `lease_s` without a
-     registration) -> free.
+     `lease_s`, restarted when a reader claims it; push until the WRITE completes,
+     fails, or `lease_s` without a registration) -> free.
   D: request id (WAITING_FOR_REMOTE_KV, guarded by `recv_timeout_s`) -> running
      request, or -> "quarantine:<tid>" (until the peer acknowledges that no
      transfer is in flight, the peer is dropped, or `quarantine_s` passes) -> free.
@@ -35,12 +36,31 @@ What goes back to the router: P's response carries `kv_transfer_params` (see
 pdserve.transfer.params); D's stream is the client's answer. The first token is the
 one P sampled (carried in the params for pull, in the WRITE's notification for
 push), so D emits it as soon as the KV is in place, without a model step.
+
+Failures: every request failed by the connector ends with an error made by
+`transfer_error(cause, detail)` (causes: TRANSFER_ERROR_CAUSES), which the HTTP layer
+answers as a 502 `kv_transfer_error` (400 for `params_rejected`).
+
+Trust (details and a table in docs/transport.md, "Connector security"):
+  With a cluster token, the transports and the side channel admit only peers that prove
+  the token; side-channel frames are MAC'd and carry a nonce, so a captured frame sent
+  again is dropped. Pull params are signed by P over every field D uses, including the
+  lease's end (`expires_at`); D refuses unsigned or changed params (`check_params`) and
+  expired ones before any message or READ. Whatever the token, D claims a hold (PullClaim)
+  before reading it, and P grants it only for exactly the blocks it holds for that
+  transfer, to one reader; a PullDone frees only its claimant's hold.
+  Without a token nothing on the side channel is authenticated: anyone who reaches an
+  instance's side-channel or HTTP port can send any message or params, and a client that
+  knows a live transfer id and its block ids can read that prompt's KV through D. Push
+  params are never signed (the router makes them); a push transfer is protected only by
+  the secrecy of its random transfer id.
 """
 
 from __future__ import annotations
 
 import logging
 import queue
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -73,7 +93,8 @@ class KVReady(msgspec.Struct, frozen=True):
 
 
 class KVFailed(msgspec.Struct, frozen=True):
-    """Engine event: the KV will never arrive; fail the request with `error`."""
+    """Engine event: the KV will never arrive; fail the request with `error` (made by
+    `transfer_error`, so the HTTP layer can tell a transfer failure from an engine bug)."""
 
     request_id: str
     error: str
@@ -91,10 +112,11 @@ class Arrived(msgspec.Struct, frozen=True):
 
 
 class Failed(msgspec.Struct, frozen=True):
-    """Worker report: the transfer `transfer_id` failed for good."""
+    """Worker report: the transfer `transfer_id` failed for good, for `cause`."""
 
     transfer_id: str
     error: str
+    cause: str = "transfer_failed"  # one of TRANSFER_ERROR_CAUSES
 
 
 @dataclass
@@ -116,6 +138,7 @@ class _Hold:
     first_token_id: int
     done_time: float
     deadline: float
+    claimant: tuple[str, str] | None = None  # pull: the (engine id, incarnation) reading it
 
 
 @dataclass
@@ -146,7 +169,11 @@ class KVConnector:
         self._events: queue.SimpleQueue[object] = queue.SimpleQueue()
         self._peers: dict[str, Peer] = {}  # engine id -> peer
         self._peers_lock = threading.Lock()
-        self.holds: dict[str, _Hold] = {}  # engine thread only
+        # P: blocks kept for transfers. The engine thread adds and removes them; the side
+        # channel's receiver reads them and updates claimant/deadline (pull claims); both
+        # under this lock, so a claimed hold is never expired behind the claimant's back.
+        self.holds: dict[str, _Hold] = {}
+        self.holds_lock = threading.Lock()
         self.quarantine: dict[str, _Quarantine] = {}  # engine thread only
         self.receiving: dict[str, Request] = {}  # transfer id -> D request (engine thread)
         # P: transfer ids of prompts alive in this engine (engine thread writes, writer reads)
@@ -170,6 +197,10 @@ class KVConnector:
 
     def prefill_done(self, req: Request, first_token: int) -> KVTransferParams:
         raise NotImplementedError
+
+    def check_params(self, params: KVTransferParams) -> None:
+        """D: raise InvalidKVTransferParams if a decode leg with `params` must not be
+        admitted here (mode hook; pull verifies P's signature). Any thread; no side effect."""
 
     def layer_hook(self, reqs: list[Request]) -> Callable[[int], None] | None:
         """P: a per-layer callback for a step that completes these prompts, or None."""
@@ -228,16 +259,18 @@ class KVConnector:
                 return []
             if isinstance(item, Failed):
                 self.stats.failures += 1
-                return [KVFailed(req.request_id, item.error)]
+                return [KVFailed(req.request_id, transfer_error(item.cause, item.error))]
             self.stats.recv_wait_seconds += time.monotonic() - req.kv_wait_start
             self.stats.received += 1
             return [KVReady(req.request_id, item.first_token_id, item.prefill_done_time)]
         return []
 
     def _expire(self, now: float) -> list[Event]:
-        for tid in [t for t, h in self.holds.items() if h.deadline < now]:
-            self.stats.lease_expired += 1
-            self.release_hold(tid, "lease expired")
+        with self.holds_lock:
+            expired = [t for t, h in self.holds.items() if h.deadline < now]
+        for tid in expired:
+            if self.release_hold(tid, "lease expired", only_before=now):
+                self.stats.lease_expired += 1
         for tid in [t for t, q in self.quarantine.items() if q.deadline < now]:
             log.warning("quarantine of %s ended by its deadline", tid)
             self.release_quarantine(tid)
@@ -245,13 +278,8 @@ class KVConnector:
         out: list[Event] = []
         for tid, req in late:
             self.stats.recv_timeouts += 1
-            out.append(
-                KVFailed(
-                    req.request_id,
-                    f"no KV from the prefill instance within "
-                    f"{self.cfg.recv_timeout_s:.0f} s (transfer {tid})",
-                )
-            )
+            what = f"no KV from the prefill instance within {self.cfg.recv_timeout_s:.0f} s"
+            out.append(KVFailed(req.request_id, transfer_error("timeout", f"{what} ({tid})")))
         return out
 
     def _peer_down(self, down: PeerDown) -> list[Event]:
@@ -271,7 +299,7 @@ class KVConnector:
         for tid, _ in lost:
             del self.receiving[tid]
         msg = f"the prefill instance at {down.address[0]}:{down.address[1]} {down.reason}"
-        return [KVFailed(r.request_id, msg) for _, r in lost]
+        return [KVFailed(r.request_id, transfer_error("peer_down", msg)) for _, r in lost]
 
     def _forget_peer(self, address: Address) -> None:
         with self._peers_lock:
@@ -312,14 +340,21 @@ class KVConnector:
         deadline = time.monotonic() + self.cfg.lease_s if lease else float("inf")
         h = _Hold(tid, req.block_ids, req.num_computed_tokens, first_token, done_time, deadline)
         req.block_ids = []
-        self.holds[tid] = h
+        with self.holds_lock:
+            self.holds[tid] = h
         return h
 
-    def release_hold(self, tid: str, reason: str) -> None:
-        h = self.holds.pop(tid, None)
-        if h is not None:
-            self.pool.free(h.blocks, f"hold:{tid}")
-            log.debug("released hold %s (%s)", tid, reason)
+    def release_hold(self, tid: str, reason: str, only_before: float | None = None) -> bool:
+        """Free the hold of `tid` (engine thread); with `only_before`, only if its deadline
+        is still before that time (a claim may have just extended it). True if freed."""
+        with self.holds_lock:
+            h = self.holds.get(tid)
+            if h is None or (only_before is not None and h.deadline >= only_before):
+                return False
+            del self.holds[tid]
+        self.pool.free(h.blocks, f"hold:{tid}")
+        log.debug("released hold %s (%s)", tid, reason)
+        return True
 
     def release_quarantine(self, tid: str) -> None:
         q = self.quarantine.pop(tid, None)
@@ -363,14 +398,16 @@ class KVConnector:
         except TimeoutError:
             raise TransferError(
                 f"handshake with {engine_id} at {address[0]}:{address[1]} "
-                f"timed out after {self.cfg.handshake_timeout_s:.0f} s"
+                f"timed out after {self.cfg.handshake_timeout_s:.0f} s",
+                "peer_unreachable",
             ) from None
         assert isinstance(reply, m.HelloReply)
         if reply.error:
             raise TransferError(f"handshake with {engine_id} refused: {reply.error}")
         if reply.engine_id != engine_id:
             raise TransferError(
-                f"expected engine {engine_id} at {address}, found {reply.engine_id}"
+                f"expected engine {engine_id} at {address}, found {reply.engine_id}",
+                "peer_unreachable",
             )
         return self._add_peer(
             reply.engine_id,
@@ -489,7 +526,38 @@ class KVConnector:
 
 
 class TransferError(RuntimeError):
-    """A transfer-level failure reported to the client as a clear error."""
+    """A transfer-level failure reported to the client as a clear error, for `cause`."""
+
+    def __init__(self, message: str, cause: str = "transfer_failed") -> None:
+        super().__init__(message)
+        self.cause = cause
+
+
+# Why a transfer failed, as the client sees it (the HTTP layer's error `code` is "kv_<cause>"):
+TRANSFER_ERROR_CAUSES = frozenset(
+    {
+        "peer_down",  # the prefill instance died or restarted while we waited on it
+        "peer_unreachable",  # no handshake with it (nobody there, wrong engine, wrong token)
+        "timeout",  # no KV within the decode instance's watchdog
+        "transfer_failed",  # the READ/WRITE or the prefill itself failed
+        "lease_expired",  # the prefill instance no longer holds the blocks
+        "params_rejected",  # kv_transfer_params not signed by a cluster member (or forged)
+    }
+)
+_TRANSFER_ERROR_RE = re.compile(r"KV transfer failed \[([a-z_]+)\]: (.*)", re.DOTALL)
+
+
+def transfer_error(cause: str, detail: str) -> str:
+    """The error text of a request whose KV transfer failed (see `parse_transfer_error`)."""
+    return f"KV transfer failed [{cause}]: {detail}"
+
+
+def parse_transfer_error(error: str | None) -> tuple[str, str] | None:
+    """(cause, detail) of an error made by `transfer_error`; None for any other error."""
+    found = _TRANSFER_ERROR_RE.fullmatch(error or "")
+    if found is None or found.group(1) not in TRANSFER_ERROR_CAUSES:
+        return None
+    return found.group(1), found.group(2)
 
 
 class ConnectorStats(msgspec.Struct):

@@ -95,11 +95,40 @@ class PushAbortAck(msgspec.Struct, tag=True, kw_only=True):
     transfer_id: str
 
 
+class PullClaim(msgspec.Struct, tag=True, kw_only=True):
+    """D -> P, before its READ: I am about to read `block_ids` of `transfer_id`.
+
+    P answers PullClaimReply (same nonce): ok only if it still holds exactly these blocks
+    for that transfer and nobody else claimed them; the hold is then kept for D (its lease
+    starts again) until D's PullDone. A refused claim means no READ is posted.
+    """
+
+    nonce: str
+    transfer_id: str
+    block_ids: list[int]
+    engine_id: str
+    incarnation: str
+    reply_to: tuple[str, int]
+
+
+class PullClaimReply(msgspec.Struct, tag=True, kw_only=True):
+    nonce: str
+    error: str | None = None
+    lease_expired: bool = False  # the refusal's cause: P no longer holds the transfer
+
+
 class PullDone(msgspec.Struct, tag=True, kw_only=True):
-    """D -> P: I finished reading `transfer_id` (ok or not); free the held blocks."""
+    """D -> P: I finished reading `transfer_id` (ok or not); free the held blocks.
+
+    P frees them only if the sender (engine id, incarnation) is the one that claimed them,
+    or, for a hold nobody claimed (D failed before its claim), if `block_ids` are the hold's.
+    """
 
     transfer_id: str
     ok: bool
+    engine_id: str = ""
+    incarnation: str = ""
+    block_ids: list[int] = []
 
 
 class Ping(msgspec.Struct, tag=True, kw_only=True):
@@ -115,7 +144,9 @@ class Pong(msgspec.Struct, tag=True, kw_only=True):
 
 
 Message = Hello | HelloReply | PushRegistration | PushDone | PushFailed | PushAbort
-Message = Message | PushAbortAck | PullDone | Ping | Pong
+Message = Message | PushAbortAck | PullClaim | PullClaimReply | PullDone | Ping | Pong
+Request = Hello | PullClaim  # messages answered by a reply carrying the same nonce
+Reply = HelloReply | PullClaimReply
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)

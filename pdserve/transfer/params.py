@@ -9,6 +9,10 @@ Pull (sequential):
   P -> router  {remote_engine_id, remote_host, remote_port, remote_block_ids,
                 remote_num_tokens, first_token_id, transfer_id, prefill_done_time}
   router -> D  everything P returned + {do_remote_prefill, transfer_mode="pull"}
+  With a cluster token P also returns {expires_at, signature}: an HMAC-SHA256 keyed with
+  the token over the fields D uses (`SignedFields`), which D verifies before it reads
+  (`verify`); without a token nothing is signed and D trusts whoever sent the params
+  (P still refuses a READ claim for blocks it does not hold for that transfer id).
 Push (concurrent; the router learned P's identity from P's `GET /kv/info`):
   router -> P  {do_remote_decode, transfer_mode="push", transfer_id}
   router -> D  {do_remote_prefill, transfer_mode="push", transfer_id,
@@ -18,9 +22,11 @@ Push (concurrent; the router learned P's identity from P's `GET /kv/info`):
 
 from __future__ import annotations
 
+import hmac
 import ipaddress
 import math
 import re
+import time
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -46,6 +52,8 @@ class KVTransferParams(
     remote_num_tokens: int | None = None  # prompt tokens whose KV P holds
     first_token_id: int | None = None  # pull: the token P sampled after the prompt
     prefill_done_time: float | None = None  # unix time P finished the prompt (handoff metric)
+    expires_at: float | None = None  # pull: unix time P's hold (lease) ends
+    signature: str | None = None  # pull: P's HMAC of the fields D uses (see `sign`)
 
 
 class InvalidKVTransferParams(ValueError):
@@ -60,6 +68,8 @@ _ID_RE = re.compile(r"[\x21-\x7e]+")  # printable ASCII, no spaces
 # inside a connector thread instead of here.
 _LABEL = r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
 _HOSTNAME_RE = re.compile(rf"(?=.{{1,253}}$){_LABEL}(\.{_LABEL})*\.?")
+
+_SIGNATURE_RE = re.compile(r"[0-9a-f]{64}")
 
 _DECODE_PULL = ("remote_engine_id", "remote_host", "remote_port", "remote_block_ids")
 _DECODE_PULL += ("remote_num_tokens", "first_token_id", "transfer_id")
@@ -116,8 +126,12 @@ def _check_fields(p: KVTransferParams) -> None:
         raise _bad("remote_num_tokens", "must be >= 1")
     if p.first_token_id is not None and p.first_token_id < 0:
         raise _bad("first_token_id", "must be >= 0")
-    if p.prefill_done_time is not None and not math.isfinite(p.prefill_done_time):
-        raise _bad("prefill_done_time", "must be a finite number")
+    for name in ("prefill_done_time", "expires_at"):
+        value = getattr(p, name)
+        if value is not None and not math.isfinite(value):
+            raise _bad(name, "must be a finite number")
+    if p.signature is not None and not _SIGNATURE_RE.fullmatch(p.signature):
+        raise _bad("signature", "must be 64 lowercase hex digits (HMAC-SHA256)")
 
 
 def check_for_instance(
@@ -176,6 +190,60 @@ def check_remote_blocks(p: KVTransferParams, remote_num_blocks: int) -> None:
             "remote_block_ids",
             f"names block {bad[0]}, but the prefill instance has {remote_num_blocks} blocks",
         )
+
+
+class SignedFields(msgspec.Struct, array_like=True, frozen=True):
+    """Every field of pull params that D acts on, in a fixed order: what P signs.
+
+    The legs' flags (`do_remote_decode`/`do_remote_prefill`) are left out: the router flips
+    them between P's answer and D's request, and D's role already fixes their meaning.
+    """
+
+    transfer_mode: str | None
+    transfer_id: str | None
+    remote_engine_id: str | None
+    remote_incarnation: str | None
+    remote_host: str | None
+    remote_port: int | None
+    remote_block_ids: list[int] | None
+    remote_num_tokens: int | None
+    first_token_id: int | None
+    prefill_done_time: float | None
+    expires_at: float | None
+
+
+_SIGNING_DOMAIN = b"pdserve kv_transfer_params v1\0"  # keeps these MACs apart from frames'
+
+
+def _mac(p: KVTransferParams, key: bytes) -> str:
+    fields = SignedFields(*(getattr(p, f) for f in SignedFields.__struct_fields__))
+    return hmac.new(key, _SIGNING_DOMAIN + msgspec.msgpack.encode(fields), "sha256").hexdigest()
+
+
+def sign(p: KVTransferParams, key: bytes) -> KVTransferParams:
+    """P: `p` with its signature (`expires_at` must already be set)."""
+    return msgspec.structs.replace(p, signature=_mac(p, key))
+
+
+def verify(p: KVTransferParams, key: bytes) -> None:
+    """D: raise InvalidKVTransferParams unless P signed exactly these fields with `key`."""
+    if p.signature is None:
+        raise _bad("signature", "is missing; this instance needs params signed by P")
+    if not hmac.compare_digest(p.signature.encode(), _mac(p, key).encode()):
+        raise _bad(
+            "signature",
+            "does not match: the params were changed or not made by a prefill instance of "
+            "this cluster",
+        )
+
+
+def lease_ended(p: KVTransferParams, now: float | None = None) -> str | None:
+    """D: why P no longer holds the blocks of these params (`expires_at` passed), or None.
+    Params without `expires_at` (unsigned) are left to P's claim check."""
+    now = time.time() if now is None else now
+    if p.expires_at is not None and p.expires_at < now:
+        return f"the lease on the prefill instance ended at {p.expires_at:.3f} (unix time)"
+    return None
 
 
 @dataclass(frozen=True)

@@ -1,14 +1,23 @@
-"""Pull mode: P keeps the prompt's blocks under a lease; D READs them, then tells P.
+"""Pull mode: P keeps the prompt's blocks under a lease; D claims them, READs them, tells P.
 
 P (engine thread): `prefill_done` moves the blocks to "hold:<tid>" with a lease of
-  `lease_s` and returns their ids to the router. D's PullDone (side channel) or the
-  lease's end frees them.
-D: `start_receive` queues a job for the reader thread, which handshakes on first
-  contact, READs every layer's blocks with coalesced descriptors, waits for the
-  transport to finish (bounded by the transport's own timeout), sends PullDone to P
-  and reports the outcome. A request that ends while its READ is in flight has its
-  blocks quarantined; the reader releases them once the READ is over, whatever its
-  outcome, so no READ ever lands in blocks that another request owns.
+  `lease_s` and returns their ids to the router (signed with the cluster token, if any,
+  with the lease's end as `expires_at`). D's PullDone or the lease's end frees them.
+P (side-channel receiver): a PullClaim is granted only if P still holds exactly the named
+  blocks for that transfer and nobody else claimed them; the hold then belongs to the
+  claimant (its lease starts again) and only the claimant's PullDone frees it early (an
+  unclaimed hold: a PullDone naming its exact blocks, from a D that failed before claiming).
+D (engine thread): `start_receive` verifies the params (`check_params`: P's signature,
+  when this instance has a cluster token) and hands the job to the lane of its prefill
+  instance; a rejected job fails at once, before any message or READ.
+D (lanes): one thread per prefill instance (side-channel address), created on demand
+  and gone after `LANE_IDLE_S` without work, runs that instance's jobs in order:
+  handshake on first contact, claim, READ of every layer's blocks with coalesced
+  descriptors (bounded by the transport's own timeout), PullDone, report. A dead or slow
+  prefill instance delays only its own lane; no READ ever runs on the engine thread.
+  A request that ends while its READ is in flight has its blocks quarantined; the lane
+  releases them once the READ is over, whatever its outcome, so no READ ever lands in
+  blocks that another request owns.
 """
 
 from __future__ import annotations
@@ -17,6 +26,9 @@ import logging
 import queue
 import threading
 import time
+from dataclasses import dataclass, field
+
+import msgspec
 
 from pdserve.engine.request import Request
 from pdserve.transfer import messages as m
@@ -24,21 +36,43 @@ from pdserve.transfer.connector import (
     Arrived,
     Failed,
     KVConnector,
+    Peer,
     ReleaseHold,
     ReleaseQuarantine,
     TransferError,
     transfer_id_of,
 )
-from pdserve.transfer.params import KVTransferParams
+from pdserve.transfer.params import (
+    InvalidKVTransferParams,
+    KVTransferParams,
+    lease_ended,
+    sign,
+    verify,
+)
+from pdserve.transfer.side_channel import Address, new_nonce
 
 log = logging.getLogger(__name__)
 
+MAX_LANES = 64  # prefill instances D reads from at once; more fail at once (hostile params)
+LANE_IDLE_S = 30.0  # a lane's thread ends after this long without a job
 
-class _ReadJob:
-    __slots__ = ("blocks", "params", "tid")
 
-    def __init__(self, tid: str, blocks: list[int], params: KVTransferParams) -> None:
-        self.tid, self.blocks, self.params = tid, blocks, params
+class _ReadJob(msgspec.Struct):
+    tid: str
+    blocks: list[int]  # D's blocks (owned by the request, or quarantined if it ended)
+    params: KVTransferParams
+
+    @property
+    def address(self) -> Address:
+        return (self.params.remote_host, self.params.remote_port)
+
+
+@dataclass
+class _Lane:
+    """The jobs for one prefill instance and the thread that runs them (see module doc)."""
+
+    jobs: queue.SimpleQueue[_ReadJob | None] = field(default_factory=queue.SimpleQueue)
+    thread: threading.Thread | None = None
 
 
 class PullConnector(KVConnector):
@@ -46,15 +80,16 @@ class PullConnector(KVConnector):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self._jobs: queue.SimpleQueue[_ReadJob | None] = queue.SimpleQueue()
-        self._reader = threading.Thread(target=self._read_loop, name="pdserve-pull", daemon=True)
-        self._reader.start()
+        token = self.cfg.cluster_token
+        self._key = token.encode() if token else None
+        self._lanes: dict[Address, _Lane] = {}
+        self._lanes_lock = threading.Lock()
 
     # -- P -------------------------------------------------------------------------------
     def prefill_done(self, req: Request, first_token: int) -> KVTransferParams:
         h = self.hold(req, first_token, time.time(), lease=True)
         host, port = self.side.address
-        return KVTransferParams(
+        params = KVTransferParams(
             transfer_mode="pull",
             transfer_id=h.transfer_id,
             remote_engine_id=self.cfg.engine_id,
@@ -65,49 +100,177 @@ class PullConnector(KVConnector):
             remote_num_tokens=h.num_tokens,
             first_token_id=first_token,
             prefill_done_time=h.done_time,
+            expires_at=time.time() + self.cfg.lease_s,
         )
+        return sign(params, self._key) if self._key else params
 
     def on_message(self, msg: m.Message) -> None:
-        if isinstance(msg, m.PullDone):
-            self.report(ReleaseHold(msg.transfer_id, "read done" if msg.ok else "read failed"))
+        if isinstance(msg, m.PullClaim):
+            reply = self._claim_hold(msg)
+            self.side.send(tuple(msg.reply_to), reply)
+        elif isinstance(msg, m.PullDone):
+            with self.holds_lock:
+                h = self.holds.get(msg.transfer_id)
+                claimed_by = None if h is None else h.claimant
+                mine = h is not None and (
+                    claimed_by == (msg.engine_id, msg.incarnation)
+                    or (claimed_by is None and h.blocks == msg.block_ids)
+                )
+            if mine:
+                self.report(ReleaseHold(msg.transfer_id, "read done" if msg.ok else "read failed"))
+
+    def _claim_hold(self, msg: m.PullClaim) -> m.PullClaimReply:
+        """Receiver thread: grant `msg` the hold it names, or say why not."""
+        claimant = (msg.engine_id, msg.incarnation)
+        with self.holds_lock:
+            h = self.holds.get(msg.transfer_id)
+            now = time.monotonic()
+            if h is None or h.deadline < now:
+                error = f"transfer {msg.transfer_id} is not held here (lease ended, or unknown)"
+                return m.PullClaimReply(nonce=msg.nonce, error=error, lease_expired=True)
+            if h.blocks != msg.block_ids:
+                error = f"blocks {msg.block_ids} do not belong to transfer {msg.transfer_id}"
+                return m.PullClaimReply(nonce=msg.nonce, error=error)
+            if h.claimant not in (None, claimant):
+                error = f"transfer {msg.transfer_id} is already being read by another instance"
+                return m.PullClaimReply(nonce=msg.nonce, error=error)
+            h.claimant = claimant
+            h.deadline = now + self.cfg.lease_s
+        return m.PullClaimReply(nonce=msg.nonce)
 
     # -- D -------------------------------------------------------------------------------
+    def check_params(self, params: KVTransferParams) -> None:
+        """With a cluster token: P's signature over every field D uses (a 400 when the
+        HTTP gate calls this). The lease's end is checked at admission (`start_receive`)."""
+        if self._key is not None and params.do_remote_prefill:
+            verify(params, self._key)
+
     def start_receive(self, req: Request) -> None:
         super().start_receive(req)
         assert req.kv_transfer is not None
-        self._jobs.put(_ReadJob(transfer_id_of(req), list(req.block_ids), req.kv_transfer))
+        job = _ReadJob(transfer_id_of(req), list(req.block_ids), req.kv_transfer)
+        try:
+            self.check_params(job.params)
+        except InvalidKVTransferParams as exc:
+            self._fail_now(job.tid, str(exc), "params_rejected")
+            return
+        ended = lease_ended(job.params)
+        if ended:
+            self._fail_now(job.tid, ended, "lease_expired")
+            return
+        if not self._enqueue(job):
+            what = f"already reading from {len(self._lanes)} prefill instances (the most)"
+            self._fail_now(job.tid, what, "transfer_failed")
 
-    def _read_loop(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            ok = False
+    def _fail_now(self, tid: str, error: str, cause: str) -> None:
+        """A job that never reached a lane: nothing was sent, nothing can land."""
+        log.warning("pull %s refused: %s", tid, error)
+        self.report(Failed(tid, error, cause))
+        self.report(ReleaseQuarantine(tid))
+
+    def _enqueue(self, job: _ReadJob) -> bool:
+        """Hand `job` to its prefill instance's lane, starting one if needed."""
+        with self._lanes_lock:
+            lane = self._lanes.get(job.address)
+            if lane is None:
+                if len(self._lanes) >= MAX_LANES:
+                    return False
+                lane = self._lanes[job.address] = _Lane()
+                lane.thread = threading.Thread(
+                    target=self._lane_loop,
+                    args=(job.address, lane),
+                    name=f"pdserve-pull-{job.address[0]}:{job.address[1]}",
+                    daemon=True,
+                )
+                lane.thread.start()
+            lane.jobs.put(job)  # under the lock: an idle lane cannot retire past this job
+        return True
+
+    def _lane_loop(self, address: Address, lane: _Lane) -> None:
+        while True:
             try:
-                self.report(self._read(job))
-                ok = True
-            except Exception as exc:  # every failure becomes a clear per-request error
-                log.warning("pull %s failed: %s", job.tid, exc)
-                self.report(Failed(job.tid, f"KV pull failed: {exc}"))
-            finally:
-                # P may free its hold now, whatever happened (no handshake needed for this).
-                to = (job.params.remote_host, job.params.remote_port)
-                try:
-                    self.side.send(to, m.PullDone(transfer_id=job.tid, ok=ok))
-                except Exception:  # a bad address must not kill the reader thread
-                    log.exception("pull %s: could not send PullDone to %s", job.tid, to)
-                self.report(ReleaseQuarantine(job.tid))
+                job = lane.jobs.get(timeout=LANE_IDLE_S)
+            except queue.Empty:
+                with self._lanes_lock:
+                    if lane.jobs.empty():
+                        del self._lanes[address]
+                        return
+                continue
+            if job is None:
+                return
+            self._run(job)
 
-    def _read(self, job: _ReadJob) -> Arrived:
-        p = job.params
-        if len(p.remote_block_ids or ()) != len(job.blocks):
-            raise TransferError(
-                f"prefill instance holds {len(p.remote_block_ids or ())} blocks for "
-                f"{p.remote_num_tokens} tokens, decode allocated {len(job.blocks)}"
+    def _run(self, job: _ReadJob) -> None:
+        """Claim, read and report one job (its lane's thread); never raises."""
+        ok = False
+        try:
+            p = job.params
+            if len(p.remote_block_ids or ()) != len(job.blocks):
+                raise TransferError(
+                    f"prefill instance holds {len(p.remote_block_ids or ())} blocks for "
+                    f"{p.remote_num_tokens} tokens, decode allocated {len(job.blocks)}"
+                )
+            peer = self.peer(p.remote_engine_id, job.address, p.remote_incarnation)
+            self._claim(peer, job)
+            self.report(self._read(peer, job))
+            ok = True
+        except Exception as exc:  # every failure becomes a clear per-request error
+            log.warning("pull %s failed: %s", job.tid, exc)
+            cause = exc.cause if isinstance(exc, TransferError) else "transfer_failed"
+            where = f"{job.address[0]}:{job.address[1]}"
+            self.report(Failed(job.tid, f"pull from {where}: {exc}", cause))
+        finally:
+            # P may free its hold now, whatever happened (no handshake needed for this).
+            done = m.PullDone(
+                transfer_id=job.tid,
+                ok=ok,
+                engine_id=self.cfg.engine_id,
+                incarnation=self.cfg.incarnation,
+                block_ids=list(job.params.remote_block_ids or ()),
             )
-        peer = self.peer(p.remote_engine_id, (p.remote_host, p.remote_port), p.remote_incarnation)
+            try:
+                self.side.send(job.address, done)
+            except Exception:  # a bad address must not kill the lane
+                log.exception("pull %s: could not send PullDone to %s", job.tid, job.address)
+            self.report(ReleaseQuarantine(job.tid))
+
+    def _claim(self, peer: Peer, job: _ReadJob) -> None:
+        """Ask P to keep exactly these blocks for us; TransferError if it will not."""
+        claim = m.PullClaim(
+            nonce=new_nonce(),
+            transfer_id=job.tid,
+            block_ids=list(job.params.remote_block_ids or ()),
+            engine_id=self.cfg.engine_id,
+            incarnation=self.cfg.incarnation,
+            reply_to=self.side.address,
+        )
+        timeout = self.cfg.handshake_timeout_s
+        try:
+            reply = self.side.request(peer.address, claim, timeout)
+        except TimeoutError:
+            raise TransferError(
+                f"{peer.engine_id} did not answer the claim of transfer {job.tid} "
+                f"within {timeout:.0f} s",
+                "peer_unreachable",
+            ) from None
+        assert isinstance(reply, m.PullClaimReply)
+        if reply.error:
+            cause = "lease_expired" if reply.lease_expired else "params_rejected"
+            raise TransferError(f"{peer.engine_id} refused the read: {reply.error}", cause)
+
+    def _read(self, peer: Peer, job: _ReadJob) -> Arrived:
+        p = job.params
         local, remote = self.descriptors(peer, job.blocks, p.remote_block_ids)
         self.run_transfer("read", peer, local, remote, None)
         return Arrived(job.tid, p.first_token_id, p.prefill_done_time or 0.0)
 
     def close(self) -> None:
-        self._jobs.put(None)
-        self._reader.join(2.0)
+        with self._lanes_lock:
+            lanes = list(self._lanes.values())
+            for lane in lanes:
+                lane.jobs.put(None)
+        deadline = time.monotonic() + 2.0
+        for lane in lanes:
+            if lane.thread is not None:
+                lane.thread.join(max(0.0, deadline - time.monotonic()))
         super().close()

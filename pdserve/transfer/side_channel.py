@@ -7,20 +7,25 @@ and calls `handler(msg)` for every valid message (the handler must not block: it
 hands work to a queue); senders may call `send` from any thread (each PUSH socket is
 used under its own lock).
 
-Authentication: with a cluster token, every frame carries HMAC-SHA256(token, body)
-and a send time; frames with a bad MAC or older than `max_age_s` are dropped and
-counted. The token itself never crosses the wire.
+Authentication: with a cluster token, every frame carries HMAC-SHA256(token, frame)
+over a send time, a random nonce and the body; frames with a bad MAC, older than
+`max_age_s`, or whose nonce was already seen (a captured frame sent again) are dropped
+and counted. The token itself never crosses the wire. Without a token nothing is
+authenticated: anyone who can reach the port can send any message.
 """
 
 from __future__ import annotations
 
+import contextlib
+import heapq
 import hmac
 import logging
+import math
 import secrets
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 
 import msgspec
 import zmq
@@ -33,7 +38,44 @@ Address = tuple[str, int]
 
 class _Envelope(msgspec.Struct, array_like=True):
     sent_at: float
+    nonce: bytes  # unique per frame: what the receiver's replay guard remembers
     body: bytes
+
+
+class ReplayGuard:
+    """Refuses a frame seen before, or too old to tell (receiver thread only).
+
+    A nonce is remembered until its frame is older than `max_age_s` (then the age check
+    refuses it anyway). Bounded: past `capacity` nonces the oldest are forgotten and every
+    frame sent at or before the newest forgotten one is refused as stale, so a forgotten
+    frame can never be replayed either; the cost is that, under a flood, frames delayed
+    longer than the remembered span are dropped too.
+    """
+
+    def __init__(self, max_age_s: float, capacity: int = 200_000) -> None:
+        self.max_age_s = max_age_s
+        self.capacity = capacity
+        self._seen: set[bytes] = set()
+        self._by_time: list[tuple[float, bytes]] = []  # heap: oldest sent_at first
+        self._floor = -math.inf  # frames sent at or before this are refused
+
+    def check(self, sent_at: float, nonce: bytes, now: float) -> str | None:
+        """Why the frame must be dropped, or None (then its nonce is remembered)."""
+        if abs(now - sent_at) > self.max_age_s:
+            return "stale frame"
+        while self._by_time and self._by_time[0][0] < now - self.max_age_s:
+            self._seen.discard(heapq.heappop(self._by_time)[1])
+        if sent_at <= self._floor:
+            return "stale frame (older than the replay window)"
+        if not nonce or nonce in self._seen:
+            return "replayed frame (nonce already seen)"
+        self._seen.add(nonce)
+        heapq.heappush(self._by_time, (sent_at, nonce))
+        while len(self._seen) > self.capacity:
+            t, old = heapq.heappop(self._by_time)
+            self._seen.discard(old)
+            self._floor = max(self._floor, t)
+        return None
 
 
 class SideChannel:
@@ -57,10 +99,10 @@ class SideChannel:
         self.address: Address = (host, port)
         self._handler = handler
         self._key = token.encode() if token else None
-        self._max_age = max_age_s
+        self._replays = ReplayGuard(max_age_s)
         self._peers: dict[Address, tuple[zmq.Socket, threading.Lock]] = {}
         self._peers_lock = threading.Lock()
-        self._waiters: dict[str, Future[m.Message]] = {}
+        self._waiters: dict[str, Future[m.Reply]] = {}
         self._stop = threading.Event()
         self.num_rejected = 0
         self._thread = threading.Thread(target=self._recv_loop, name="pdserve-side", daemon=True)
@@ -75,7 +117,8 @@ class SideChannel:
         if self._stop.is_set():
             return
         sock, lock = self._peer(to)
-        frame = msgspec.msgpack.encode(_Envelope(time.time(), m.encode(msg)))
+        env = _Envelope(time.time(), secrets.token_bytes(16), m.encode(msg))
+        frame = msgspec.msgpack.encode(env)
         mac = hmac.digest(self._key, frame, "sha256") if self._key else b""
         with lock:
             try:
@@ -83,9 +126,10 @@ class SideChannel:
             except zmq.ZMQError as exc:  # full queue to a dead peer, or closing
                 log.warning("side channel: dropped a %s to %s: %s", type(msg).__name__, to, exc)
 
-    def request(self, to: Address, msg: m.Hello, timeout: float) -> m.Message:
-        """Send a message with a nonce and wait for the reply carrying the same nonce."""
-        fut: Future[m.Message] = Future()
+    def request(self, to: Address, msg: m.Request, timeout: float) -> m.Reply:
+        """Send a message with a nonce and wait for the reply carrying the same nonce;
+        TimeoutError after `timeout` seconds."""
+        fut: Future[m.Reply] = Future()
         self._waiters[msg.nonce] = fut
         try:
             self.send(to, msg)
@@ -126,8 +170,10 @@ class SideChannel:
             if self._key and not hmac.compare_digest(mac, hmac.digest(self._key, frame, "sha256")):
                 raise ValueError("bad MAC (wrong or missing cluster token)")
             env = msgspec.msgpack.decode(frame, type=_Envelope)
-            if self._key and abs(time.time() - env.sent_at) > self._max_age:
-                raise ValueError("stale frame")
+            if self._key:
+                refused = self._replays.check(env.sent_at, env.nonce, time.time())
+                if refused:
+                    raise ValueError(refused)
             return m.decode(env.body)
         except (ValueError, msgspec.DecodeError, msgspec.ValidationError) as exc:
             self.num_rejected += 1
@@ -135,11 +181,11 @@ class SideChannel:
             return None
 
     def _dispatch(self, msg: m.Message) -> None:
-        waiter = (
-            self._waiters.get(getattr(msg, "nonce", "")) if isinstance(msg, m.HelloReply) else None
-        )
+        is_reply = isinstance(msg, m.HelloReply | m.PullClaimReply)
+        waiter = self._waiters.get(msg.nonce) if is_reply else None
         if waiter is not None:
-            waiter.set_result(msg)
+            with contextlib.suppress(InvalidStateError):  # a duplicate reply (no token)
+                waiter.set_result(msg)
             return
         try:
             self._handler(msg)
