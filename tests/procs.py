@@ -9,6 +9,11 @@ the child), and is stopped with SIGTERM, then SIGKILL after `grace_s`. A process
 or does not become healthy within `startup_timeout_s` raises `ProcessFailed` with the tail
 of its log. Several processes (P/D clusters) are just several context managers, e.g. in
 a `contextlib.ExitStack`; `free_port()` reserves extra ports for side channels.
+
+`host` and `prefix` place a process elsewhere: `prefix=("ip", "netns", "exec", NS)` runs it in
+network namespace NS (`ip netns exec` execs the command, so the PID is still pdserve's own),
+and `host` is then an address of that namespace. The health check runs in the calling
+thread, so call `start()` from a thread that can reach `host` (tests/test_netns_e2e.py).
 """
 
 from __future__ import annotations
@@ -55,10 +60,13 @@ class PdserveProcess:
         startup_timeout_s: float = 120.0,
         grace_s: float = 10.0,
         env: Mapping[str, str] | None = None,
+        host: str = HOST,
+        prefix: Sequence[str] = (),
     ) -> None:
         self.port = port or free_port()
-        self.url = f"http://{HOST}:{self.port}"
-        self.args = [*args, *(["--host", HOST, "--port", str(self.port)] if port_args else [])]
+        self.url = f"http://{host}:{self.port}"
+        self.args = [*args, *(["--host", host, "--port", str(self.port)] if port_args else [])]
+        self.prefix = list(prefix)  # e.g. ("ip", "netns", "exec", NS), which execs the rest
         self.health_path = health_path
         self.startup_timeout_s = startup_timeout_s
         self.grace_s = grace_s
@@ -80,7 +88,7 @@ class PdserveProcess:
         """Start the process and wait until `health_path` answers 200."""
         if self._proc is not None:
             raise RuntimeError(f"{self} was already started")
-        cmd = [sys.executable, "-m", "pdserve", *self.args]
+        cmd = [*self.prefix, sys.executable, "-m", "pdserve", *self.args]
         with open(self.log_path, "wb") as log:
             self._proc = subprocess.Popen(
                 cmd, cwd=REPO_ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT
@@ -107,6 +115,12 @@ class PdserveProcess:
         raise ProcessFailed(
             f"{self} not healthy after {self.startup_timeout_s:.0f} s\n{self.log()}"
         )
+
+    def terminate(self) -> None:
+        """SIGTERM without waiting, so several processes stop in parallel; `stop()` still
+        reaps (and SIGKILLs a straggler)."""
+        if self._proc is not None and self._proc.poll() is None:
+            os.kill(self._proc.pid, signal.SIGTERM)
 
     def stop(self) -> int | None:
         """SIGTERM, then SIGKILL after `grace_s`; returns the exit code (idempotent)."""

@@ -1,0 +1,168 @@
+"""A 2P2D cluster of real processes, push and pull: an instance that stops answering
+(SIGSTOP) is ejected, requests caught on it end with a clear error instead of hanging, the
+others keep serving, and after SIGCONT it is re-admitted and serves again.
+
+The router runs with a short `--request-timeout`: today a request caught on the frozen
+instance ends when that timeout fires (504, or an error event in a stream that had
+started), not when the instance is ejected. The client's own timeout is much longer:
+reaching it would be the hang this test exists to catch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time
+from collections.abc import Callable, Iterator
+
+import httpx
+import pytest
+
+from pdserve.launcher import Cluster, ClusterConfig, ManagedProcess
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+REQUEST_TIMEOUT_S = 6.0
+CLIENT_TIMEOUT_S = REQUEST_TIMEOUT_S + 60  # reaching this means the router hung
+MODEL = "builtin:tiny"
+
+
+def _body(n_prompt: int, max_tokens: int, stream: bool = False) -> dict:
+    return {
+        "prompt": [3 + i % 240 for i in range(n_prompt)],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": stream,
+    }
+
+
+def wait_for(pred: Callable[[], bool], timeout_s: float = 60.0, what: str = "") -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if pred():
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"not within {timeout_s:g} s: {what}")
+
+
+@pytest.fixture(scope="module", params=["push", "pull"])
+def cluster(request, tmp_path_factory) -> Iterator[Cluster]:
+    cfg = ClusterConfig(
+        kv_transfer=request.param,
+        num_prefill=2,
+        num_decode=2,
+        model=MODEL,
+        policy="round_robin",
+        request_timeout_s=REQUEST_TIMEOUT_S,
+        pin_cores=False,
+        instance_args=("--threads", "1"),
+        log_dir=tmp_path_factory.mktemp("xpyd"),
+    )
+    with Cluster(cfg) as c:
+        yield c
+
+
+def _admitted(cluster: Cluster, inst: ManagedProcess) -> bool:
+    rows = httpx.get(f"{cluster.router_url}/router/instances", timeout=10).json()
+    return next(r["admitted"] for r in rows if r["url"] == inst.url)
+
+
+def _of_role(cluster: Cluster, role: str) -> list[ManagedProcess]:
+    return [p for p in cluster.instances if p.role == role]
+
+
+def _received(inst: ManagedProcess) -> float:
+    text = httpx.get(f"{inst.url}/metrics", timeout=10).text
+    line = next(x for x in text.splitlines() if x.startswith("pdserve_kv_received_total{"))
+    return float(line.rsplit(" ", 1)[1])
+
+
+def _blocks_used(inst: ManagedProcess) -> int:
+    return httpx.get(f"{inst.url}/load", timeout=10).json()["kv_blocks_used"]
+
+
+@contextlib.contextmanager
+def frozen(inst: ManagedProcess) -> Iterator[None]:
+    """SIGSTOP the instance (by PID) for the block; SIGCONT afterwards, even on failure."""
+    os.kill(inst.pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(inst.pid, signal.SIGCONT)
+
+
+def _assert_clear_error(r: httpx.Response) -> None:
+    assert r.status_code in (502, 504), r.text
+    err = r.json()["error"]
+    assert err["message"] and err["type"], err
+
+
+def _serve_ok(cluster: Cluster, n: int) -> None:
+    with httpx.Client(timeout=CLIENT_TIMEOUT_S) as client:
+        for _ in range(n):
+            r = client.post(f"{cluster.router_url}/v1/completions", json=_body(40, 4))
+            assert r.status_code == 200, r.text
+
+
+def _back_to_normal(cluster: Cluster, inst: ManagedProcess) -> None:
+    wait_for(lambda: _admitted(cluster, inst), what=f"{inst.name} re-admitted")
+    wait_for(
+        lambda: not any(_blocks_used(p) for p in cluster.instances),
+        timeout_s=60,
+        what="every KV block free",
+    )
+
+
+def test_frozen_prefill_is_ejected_requests_on_it_fail_cleanly_and_it_comes_back(
+    cluster: Cluster,
+) -> None:
+    p0, p1 = _of_role(cluster, "prefill")
+    _serve_ok(cluster, 2)
+    with frozen(p0), httpx.Client(timeout=CLIENT_TIMEOUT_S) as client:
+        # Sent before the router has noticed: round robin puts one of the two on p0.
+        statuses = []
+        for _ in range(2):
+            r = client.post(f"{cluster.router_url}/v1/completions", json=_body(40, 4))
+            if r.status_code != 200:
+                _assert_clear_error(r)
+            statuses.append(r.status_code)
+        assert statuses.count(200) < 2, "neither request reached the frozen prefill"
+        wait_for(lambda: not _admitted(cluster, p0), what="frozen prefill ejected")
+        _serve_ok(cluster, 4)  # all on p1 now
+    _back_to_normal(cluster, p0)
+    before = httpx.get(f"{p0.url}/metrics", timeout=10).text
+    _serve_ok(cluster, 4)  # round robin reaches p0 again
+    after = httpx.get(f"{p0.url}/metrics", timeout=10).text
+    assert before != after and _admitted(cluster, p1)
+
+
+def test_frozen_decode_mid_stream_ends_the_stream_with_an_error_and_comes_back(
+    cluster: Cluster,
+) -> None:
+    decodes = _of_role(cluster, "decode")
+    url = f"{cluster.router_url}/v1/completions"
+    with (
+        httpx.Client(timeout=CLIENT_TIMEOUT_S) as client,
+        client.stream("POST", url, json=_body(64, 4000, stream=True)) as r,
+    ):
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        head = [next(lines) for _ in range(4)]
+        assert any(x.startswith("data: {") for x in head)
+        busy = [d for d in decodes if httpx.get(f"{d.url}/load").json()["num_running"]]
+        assert len(busy) == 1, "exactly one decode instance runs the stream"
+        (victim,) = busy
+        with frozen(victim):
+            rest = list(lines)  # must end: the router's gap timeout closes it
+            assert any('"error"' in x for x in rest if x.startswith("data: ")), rest[-3:]
+            wait_for(lambda: not _admitted(cluster, victim), what="frozen decode ejected")
+            (other,) = [d for d in decodes if d is not victim]
+            got = _received(other)
+            _serve_ok(cluster, 3)
+            assert _received(other) == got + 3  # every request went to the live one
+    _back_to_normal(cluster, victim)
+    got = _received(victim)
+    _serve_ok(cluster, 4)
+    assert _received(victim) > got  # re-admitted and used again
