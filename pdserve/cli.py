@@ -25,6 +25,11 @@ BENCH_COMMANDS: tuple[tuple[str, str, str], ...] = (
     ("engine", "pdserve.bench.engine", "prefill/decode tokens/s of the engine alone"),
     ("transport", "pdserve.bench.transport", "KV transport bandwidth and latency"),
     ("report", "pdserve.bench.report", "Markdown table and plots from result JSONs"),
+    (
+        "soak",
+        "pdserve.bench.soak",
+        "minutes of aborted, P-restarted traffic; leaks and wrong outputs",
+    ),
 )
 
 

@@ -18,6 +18,16 @@ router stays unpinned. `check_pinning` verifies every thread of every instance a
 
 Monolithic (`--monolithic`): one `--role both` instance and no router; `router_url` is then
 the instance's URL, so a benchmark reaches the floor through the same API.
+
+Cluster token: every instance gets one in `$PDSERVE_CLUSTER_TOKEN` (the config's, else the
+launcher's own environment's, else a fresh `secrets.token_hex`), so side-channel and
+transport authentication is on in every local cluster; it travels in the environment, never
+on a command line (those are logged and visible in `ps`). `pdserve up` writes it, mode 0600,
+to `<log dir>/cluster-token` for instances started by hand later.
+
+Restarts: each P/D instance gets fixed HTTP and side-channel ports, so
+`restart_instance(name)` (SIGKILL by PID, then the same command again) brings it back
+where routers and peers look for it, as a new incarnation.
 """
 
 from __future__ import annotations
@@ -26,6 +36,7 @@ import argparse
 import contextlib
 import logging
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -43,6 +54,8 @@ log = logging.getLogger(__name__)
 
 InstanceRole = Literal["prefill", "decode", "both"]
 _LOG_TAIL_LINES = 30
+TOKEN_ENV = "PDSERVE_CLUSTER_TOKEN"  # what `pdserve serve` reads (pdserve.transfer.factory)
+TOKEN_FILE = "cluster-token"
 
 
 class ClusterError(RuntimeError):
@@ -62,6 +75,7 @@ class ClusterConfig:
     port: int | None = None  # its port; None: a free one
     policy: str = "round_robin"
     api_key: str | None = None  # given to every child as PDSERVE_API_KEY
+    cluster_token: str | None = None  # None: $PDSERVE_CLUSTER_TOKEN, else a random one
     request_timeout_s: float | None = None  # the router's; None: its default
     log_dir: Path | None = None  # None: a new temporary directory
     instance_args: tuple[str, ...] = ()  # appended to every instance's command line
@@ -91,6 +105,7 @@ class InstanceSpec:
     model: str | None
     cores: tuple[int, ...] | None  # pinned to these; None: unpinned
     extra_args: tuple[str, ...]
+    side_port: int | None = None  # P/D side-channel port; None: the instance picks one
 
     @property
     def threads(self) -> int | None:
@@ -117,6 +132,8 @@ def serve_command(spec: InstanceSpec) -> list[str]:
     cmd += ["--host", spec.host, "--port", str(spec.port)]
     if spec.threads is not None and not _has_flag(spec.extra_args, "--threads"):
         cmd += ["--threads", str(spec.threads)]
+    if spec.side_port is not None and not _has_flag(spec.extra_args, "--side-channel-port"):
+        cmd += ["--side-channel-port", str(spec.side_port)]
     return cmd + list(spec.extra_args)
 
 
@@ -134,6 +151,8 @@ class ManagedProcess:
     popen: subprocess.Popen[bytes]
     cores: tuple[int, ...] | None  # pinned to these; None: unpinned
     log_path: Path
+    spec: InstanceSpec | None = None  # how to start it again (instances only)
+    restarts: int = 0  # times it was started again after the first
 
     @property
     def pid(self) -> int:
@@ -182,6 +201,9 @@ class Cluster:
         self._instance_command = instance_command  # None: `serve_command`
         self._env = dict(os.environ if env is None else env)
         self.log_dir = config.log_dir or Path(tempfile.mkdtemp(prefix="pdserve-up-"))
+        self.cluster_token = (
+            config.cluster_token or self._env.get(TOKEN_ENV) or secrets.token_hex(16)
+        )
         self.instances: list[ManagedProcess] = []
         self.router: ManagedProcess | None = None
 
@@ -226,6 +248,34 @@ class Cluster:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+    def instance(self, name: str) -> ManagedProcess:
+        """The instance called `name` ("prefill-0", "decode-1", "both-0"); KeyError if none."""
+        for p in self.instances:
+            if p.name == name:
+                return p
+        raise KeyError(f"no instance {name!r}; have {[p.name for p in self.instances]}")
+
+    def kill_instance(self, name: str, sig: int = signal.SIGKILL) -> ManagedProcess:
+        """Send `sig` (default SIGKILL) to the instance's PID and reap it."""
+        p = self.instance(name)
+        if p.alive():
+            os.kill(p.pid, sig)
+        p.popen.wait()
+        return p
+
+    def restart_instance(self, name: str, timeout_s: float | None = None) -> ManagedProcess:
+        """Start `name` again with the same command, ports and cores (SIGKILL first if it is
+        still running) and wait until it is healthy; the new process replaces the old one
+        in `instances`. Its log goes on in the same file."""
+        old = self.kill_instance(name)
+        if old.spec is None:
+            raise RuntimeError(f"{name} has no spec to restart from")
+        new = self._start_instance(old.spec, restarts=old.restarts + 1)
+        self.instances[self.instances.index(old)] = new
+        deadline = time.monotonic() + (timeout_s or self.config.startup_timeout_s)
+        _wait_healthy([new], deadline)
+        return new
 
     # -- queries --------------------------------------------------------------------------
 
@@ -278,6 +328,7 @@ class Cluster:
         shares = assign_cores(len(roles), sorted(os.sched_getaffinity(0))) if c.pin_cores else None
         index: dict[str, int] = {}
         specs = []
+        pd = not c.monolithic
         for i, role in enumerate(roles):
             index[role] = index.get(role, -1) + 1
             port = c.port if c.monolithic and c.port else free_port()
@@ -294,15 +345,17 @@ class Cluster:
                     c.model,
                     cores,
                     c.instance_args,
+                    side_port=free_port() if pd else None,
                 )
             )
         return specs
 
-    def _start_instance(self, spec: InstanceSpec) -> ManagedProcess:
+    def _start_instance(self, spec: InstanceSpec, restarts: int = 0) -> ManagedProcess:
         cmd = (self._instance_command or serve_command)(spec)
         url = f"http://{_connect_host(spec.host)}:{spec.port}"
-        env = self._child_env(threads=spec.threads)
-        proc = self._spawn(spec.name, spec.role, cmd, env, url, spec.cores)
+        env = {**self._child_env(threads=spec.threads), TOKEN_ENV: self.cluster_token}
+        proc = self._spawn(spec.name, spec.role, cmd, env, url, spec.cores, append=restarts > 0)
+        proc.spec, proc.restarts = spec, restarts
         if spec.cores is not None:
             os.sched_setaffinity(proc.pid, spec.cores)
         return proc
@@ -334,6 +387,14 @@ class Cluster:
         url = f"http://{_connect_host(c.host)}:{port}"
         return self._spawn("router", "router", cmd, self._child_env(threads=None), url, None)
 
+    def write_token_file(self) -> Path:
+        """The cluster token in `<log dir>/cluster-token`, readable by the owner only."""
+        path = self.log_dir / TOKEN_FILE
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(self.cluster_token + "\n")
+        return path
+
     def _child_env(self, threads: int | None) -> dict[str, str]:
         env = {**self._env, "PYTHONUNBUFFERED": "1"}
         if self.config.api_key:
@@ -350,9 +411,10 @@ class Cluster:
         env: dict[str, str],
         url: str,
         cores: tuple[int, ...] | None,
+        append: bool = False,
     ) -> ManagedProcess:
         log_path = self.log_dir / f"{name}.log"
-        with open(log_path, "wb") as out:
+        with open(log_path, "ab" if append else "wb") as out:
             out.write(f"$ {' '.join(cmd)}\n".encode())
             out.flush()
             popen = subprocess.Popen(
@@ -432,6 +494,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=os.environ.get("PDSERVE_API_KEY"),
         help="cluster API key, given to every process (default: $PDSERVE_API_KEY)",
     )
+    parser.add_argument(
+        "--cluster-token",
+        default=os.environ.get(TOKEN_ENV),
+        help="shared secret of the instances' side channels and transports (default: "
+        f"${TOKEN_ENV}, else a random one, written to <log dir>/{TOKEN_FILE})",
+    )
     parser.add_argument("--request-timeout", type=float, metavar="S", help="the router's")
     parser.add_argument(
         "--log-dir", type=Path, help="one log file per process (default: a temp dir)"
@@ -458,6 +526,7 @@ def config_from_args(args: argparse.Namespace) -> ClusterConfig:
         port=args.port,
         policy=args.policy,
         api_key=args.api_key or None,
+        cluster_token=args.cluster_token or None,
         request_timeout_s=args.request_timeout,
         log_dir=args.log_dir,
         instance_args=tuple(extra),
@@ -475,7 +544,7 @@ def main(args: argparse.Namespace) -> int:
     try:
         print(f"pdserve up: starting; logs in {cluster.log_dir}", flush=True)
         cluster.start()
-        _print_summary(cluster)
+        _print_summary(cluster, cluster.write_token_file())
         dead = cluster.wait()
         print(
             f"pdserve up: {dead.name} (pid {dead.pid}) exited with code "
@@ -500,11 +569,12 @@ def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
-def _print_summary(cluster: Cluster) -> None:
+def _print_summary(cluster: Cluster, token_path: Path) -> None:
     c = cluster.config
     what = "monolithic" if c.monolithic else f"kv-transfer {c.kv_transfer}, policy {c.policy}"
     print(f"\npdserve up: ready ({what})\n  URL      {cluster.router_url}", flush=True)
     for p in cluster.processes:
         cores = ",".join(map(str, p.cores)) if p.cores else "-"
         print(f"  {p.role:<8} {p.url:<24} pid {p.pid:<8} cores {cores:<6} log {p.log_path}")
+    print(f"  cluster token in {token_path}", flush=True)
     print("Ctrl-C stops everything.", flush=True)

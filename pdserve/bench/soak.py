@@ -1,0 +1,513 @@
+"""`pdserve bench soak`: minutes of mixed, aborted, fault-interrupted traffic against a local
+1P1D cluster, then an audit: failures by cause, KV blocks leaked, wrong outputs.
+
+A soak, in order:
+
+1. start a 1P1D cluster with the launcher (`pdserve.launcher.Cluster`, logs under the
+   result directory);
+2. warm up, and unless `--request-rate` is given derive the rate from one request's
+   latency: `target_load / latency`, which keeps P busy most of the time;
+3. release Poisson arrivals for `duration_s` (`soak_traffic`: mixed lengths, greedy, a
+   fraction of streams closed by the client at a random point), at most `max_concurrency`
+   in flight; at `restart_at` of the duration, SIGKILL the prefill instance by PID and start
+   it again on the same ports (a new incarnation);
+4. wait for every request, then for every surviving instance to drain (`GET /load` until
+   nothing runs, waits or holds a block, bounded by `drain_timeout_s`) and record the
+   blocks still used: leaks;
+5. stop the cluster, start a monolithic instance of the same model and replay a sample of
+   the completed requests one at a time with greedy sampling; compare token ids.
+
+The soak owns every process it starts (through `Cluster`) and stops them by PID. The exit
+status is 1 when any block leaked or any output was wrong, 2 when the soak could not run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Literal
+
+import httpx
+import msgspec
+import numpy as np
+from tqdm import tqdm
+
+from pdserve.bench.client import EndpointError, first_model
+from pdserve.bench.soak_report import (
+    MAX_FAILED_SAVED,
+    FailedRequest,
+    InstanceBlocks,
+    Mismatch,
+    RestartInfo,
+    SoakResult,
+    blocks_from_load,
+    count_phases,
+    exit_status,
+    first_difference,
+    format_summary,
+    group_causes,
+    is_drained,
+    latency_percentiles,
+    oracle_sample,
+    total_leaked,
+    unreadable_instance,
+)
+from pdserve.bench.soak_traffic import (
+    SoakOutcome,
+    SoakRequest,
+    TrafficConfig,
+    make_request,
+    poisson_arrivals,
+    send,
+)
+from pdserve.launcher import Cluster, ClusterConfig, ClusterError
+
+PREFILL = "prefill-0"
+# After the restarted P answers /health, the router needs its health round (1 s by default)
+# and a /kv/info refresh before it routes to P again; requests in that window may get a 503.
+SETTLE_S = 5.0
+WARMUP_TOKENS = 4
+_TIMEOUT_MARGIN_S = 30.0  # the router's own bound sits above the client's
+
+
+@dataclass(frozen=True)
+class SoakConfig:
+    """One soak. `request_rate` None: derived from a warm-up request (see module doc)."""
+
+    mode: Literal["pull", "push"] = "push"
+    transport: Literal["tcp", "nixl"] = "tcp"
+    model: str = "builtin:small"
+    duration_s: float = 600.0
+    request_rate: float | None = None
+    target_load: float = 0.9
+    traffic: TrafficConfig = field(default_factory=TrafficConfig)
+    restart_at: float | None = 0.5  # fraction of duration_s; None: no restart
+    max_concurrency: int = 32
+    oracle_sample: float = 0.1
+    request_timeout_s: float = 120.0
+    drain_timeout_s: float = 150.0  # above D's default --kv-recv-timeout (120 s)
+    seed: int = 0
+    out_dir: Path = Path("results/soak")
+    instance_args: tuple[str, ...] = ()
+    pin_cores: bool = True
+    progress: bool | None = None  # None: when stderr is a terminal
+
+    def __post_init__(self) -> None:
+        if not self.duration_s > 0 or self.max_concurrency < 1:
+            raise ValueError("duration must be > 0 and max_concurrency >= 1")
+        if self.request_rate is not None and not self.request_rate > 0:
+            raise ValueError("request_rate must be > 0")
+        if self.restart_at is not None and not 0.0 < self.restart_at < 1.0:
+            raise ValueError("restart_at must be a fraction in (0, 1)")
+        if not 0.0 <= self.oracle_sample <= 1.0 or not self.target_load > 0:
+            raise ValueError("oracle_sample must be in [0, 1] and target_load > 0")
+
+    @property
+    def show_progress(self) -> bool:
+        return sys.stderr.isatty() if self.progress is None else self.progress
+
+
+@dataclass
+class _Traffic:
+    """What the traffic phase produced (owned by `run_soak`)."""
+
+    model: str
+    rate: float
+    requests: dict[int, SoakRequest]
+    outcomes: list[SoakOutcome]
+    restart: RestartInfo | None
+    instances: list[InstanceBlocks]
+    drain_s: float
+
+
+def _rngs(seed: int) -> list[np.random.Generator]:
+    return [np.random.default_rng(s) for s in np.random.SeedSequence(seed).spawn(4)]
+
+
+def _http(cfg: SoakConfig) -> httpx.AsyncClient:
+    return httpx.AsyncClient(
+        timeout=httpx.Timeout(cfg.request_timeout_s, connect=10.0),
+        limits=httpx.Limits(max_connections=cfg.max_concurrency + 4),
+        trust_env=False,
+    )
+
+
+async def _derive_rate(
+    http: httpx.AsyncClient, url: str, model: str, cfg: SoakConfig, rng: np.random.Generator
+) -> float:
+    """Warm up with two requests of the mean input length; the second one's latency sets
+    the rate (`cfg.request_rate` wins when given)."""
+    n = int(cfg.traffic.mean_input_len)
+    latency = 0.0
+    for i in range(2):
+        prompt = rng.integers(*cfg.traffic.token_ids, n).tolist()
+        req = SoakRequest(index=-1 - i, prompt=prompt, max_tokens=WARMUP_TOKENS, arrival_s=0.0)
+        out = await send(http, url, model, req, time.monotonic(), cfg.request_timeout_s)
+        if out.status != "completed":
+            raise EndpointError(f"warm-up request failed: {out.cause}: {out.detail}")
+        latency = out.ended_s - out.sent_s
+    return cfg.request_rate or cfg.target_load / latency
+
+
+async def _incarnation(http: httpx.AsyncClient, url: str) -> str | None:
+    try:
+        return str((await http.get(f"{url}/kv/info")).json()["incarnation"])
+    except (httpx.HTTPError, ValueError, KeyError, TypeError):
+        return None
+
+
+async def _restart_prefill(
+    cluster: Cluster, http: httpx.AsyncClient, at_s: float, t0: float
+) -> RestartInfo:
+    """At `at_s` into the traffic: SIGKILL P by PID, then start it again (same ports)."""
+    await asyncio.sleep(max(0.0, at_s - (time.monotonic() - t0)))
+    old = cluster.instance(PREFILL)
+    old_incarnation = await _incarnation(http, old.url)
+    await asyncio.to_thread(cluster.kill_instance, PREFILL)
+    killed = time.monotonic() - t0
+    new = await asyncio.to_thread(cluster.restart_instance, PREFILL)
+    ready = time.monotonic() - t0
+    return RestartInfo(
+        instance=PREFILL,
+        killed_s=killed,
+        ready_s=ready,
+        settled_s=ready + SETTLE_S,
+        old_pid=old.pid,
+        new_pid=new.pid,
+        old_incarnation=old_incarnation,
+        new_incarnation=await _incarnation(http, new.url),
+    )
+
+
+async def _read_blocks(http: httpx.AsyncClient, cluster: Cluster) -> list[InstanceBlocks]:
+    found = []
+    for p in cluster.instances:
+        try:
+            resp = await http.get(f"{p.url}/load", timeout=5.0)
+            resp.raise_for_status()
+            found.append(blocks_from_load(p.name, p.pid, p.restarts, resp.content))
+        except (httpx.HTTPError, msgspec.DecodeError) as exc:
+            alive = "alive" if p.alive() else f"exited {p.popen.returncode}"
+            found.append(unreadable_instance(p.name, p.pid, p.restarts, f"{exc!r} ({alive})"))
+    return found
+
+
+async def drain(
+    http: httpx.AsyncClient, cluster: Cluster, timeout_s: float
+) -> list[InstanceBlocks]:
+    """Poll every instance's pool until all are drained or `timeout_s` passes; the last
+    reading (what is still used then is leaked)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        blocks = await _read_blocks(http, cluster)
+        if all(is_drained(b) for b in blocks) or time.monotonic() > deadline:
+            return blocks
+        await asyncio.sleep(0.5)
+
+
+class _Progress:
+    """A time bar over the traffic with live counts (owned by `_run_traffic`)."""
+
+    def __init__(self, cfg: SoakConfig) -> None:
+        self.bar = tqdm(
+            total=round(cfg.duration_s),
+            unit="s",
+            disable=not cfg.show_progress,
+            file=sys.stderr,
+            desc=f"soak {cfg.mode}",
+        )
+        self.counts = {"sent": 0, "completed": 0, "aborted": 0, "failed": 0}
+
+    def finished(self, out: SoakOutcome) -> None:
+        self.counts[out.status] += 1
+
+    async def tick(self, t0: float, duration_s: float) -> None:
+        while (elapsed := time.monotonic() - t0) < duration_s:
+            self.bar.n = min(round(elapsed), self.bar.total)
+            self.bar.set_postfix(self.counts, refresh=True)
+            await asyncio.sleep(1.0)
+        self.bar.n = self.bar.total
+        self.bar.set_postfix(self.counts, refresh=True)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+async def _release(
+    cfg: SoakConfig,
+    rate: float,
+    rngs: list[np.random.Generator],
+    spawn: Callable[[SoakRequest], None],
+    t0: float,
+) -> None:
+    """Make and release each request at its Poisson arrival time."""
+    arrival_rng, request_rng = rngs[0], rngs[1]
+    for i, at in enumerate(poisson_arrivals(rate, cfg.duration_s, arrival_rng)):
+        req = make_request(i, at, cfg.traffic, request_rng)
+        delay = at - (time.monotonic() - t0)
+        if delay > 0:
+            await asyncio.sleep(delay)
+        spawn(req)
+
+
+async def _run_traffic(cluster: Cluster, cfg: SoakConfig) -> _Traffic:
+    rngs = _rngs(cfg.seed)
+    async with _http(cfg) as http:
+        url = f"{cluster.router_url}/v1/completions"
+        model = await first_model(http, cluster.router_url)
+        rate = await _derive_rate(http, url, model, cfg, rngs[2])
+        print(f"soak: {cfg.mode}, {rate:.2f} req/s for {cfg.duration_s:.0f} s", file=sys.stderr)
+        slots = asyncio.Semaphore(cfg.max_concurrency)
+        progress = _Progress(cfg)
+        requests: dict[int, SoakRequest] = {}
+        tasks: list[asyncio.Task[SoakOutcome]] = []
+
+        async def one(req: SoakRequest) -> SoakOutcome:
+            async with slots:
+                progress.counts["sent"] += 1
+                out = await send(http, url, model, req, t0, cfg.request_timeout_s)
+            progress.finished(out)
+            return out
+
+        def spawn(req: SoakRequest) -> None:
+            requests[req.index] = req
+            tasks.append(asyncio.create_task(one(req)))
+
+        t0 = time.monotonic()
+        ticker = asyncio.create_task(progress.tick(t0, cfg.duration_s))
+        restart = None
+        if cfg.restart_at is not None:
+            at = cfg.restart_at * cfg.duration_s
+            restart = asyncio.create_task(_restart_prefill(cluster, http, at, t0))
+        try:
+            await _release(cfg, rate, rngs, spawn, t0)
+            await ticker
+            outcomes = list(await asyncio.gather(*tasks))
+            restart_info = await restart if restart is not None else None
+        finally:
+            progress.close()
+        instances = await drain(http, cluster, cfg.drain_timeout_s)
+        drain_s = time.monotonic() - t0 - cfg.duration_s
+    return _Traffic(model, rate, requests, outcomes, restart_info, instances, drain_s)
+
+
+async def _replay(
+    cfg: SoakConfig, url: str, model: str, sample: list[SoakRequest]
+) -> list[list[int] | None]:
+    """The oracle's token ids for each sampled request, one request at a time (None: the
+    oracle failed to answer)."""
+    answers: list[list[int] | None] = []
+    async with _http(cfg) as http:
+        for req in tqdm(sample, desc="oracle", disable=not cfg.show_progress, file=sys.stderr):
+            out = await send(http, url, model, req, time.monotonic(), cfg.request_timeout_s)
+            answers.append(out.token_ids if out.status == "completed" else None)
+    return answers
+
+
+def run_oracle(
+    cfg: SoakConfig, log_dir: Path, traffic: _Traffic, rng: np.random.Generator
+) -> tuple[int, int, int, list[Mismatch]]:
+    """(candidates, checked, unanswered, mismatches) against a fresh monolithic instance."""
+    done = {o.index: o for o in traffic.outcomes if o.token_ids is not None}
+    chosen = oracle_sample(sorted(done), cfg.oracle_sample, rng)
+    if not chosen:
+        return len(done), 0, 0, []
+    mono = ClusterConfig(
+        kv_transfer=None,
+        model=cfg.model,
+        port=None,
+        log_dir=log_dir,
+        instance_args=cfg.instance_args,
+        pin_cores=cfg.pin_cores,
+    )
+    sample = [traffic.requests[i] for i in chosen]
+    with Cluster(mono) as oracle:
+        url = f"{oracle.router_url}/v1/completions"
+        answers = asyncio.run(_replay(cfg, url, traffic.model, sample))
+    mismatches = []
+    for req, want in zip(sample, answers, strict=True):
+        got = done[req.index].token_ids or []
+        at = None if want is None else first_difference(got, want)
+        if want is not None and at is not None:
+            mismatches.append(
+                Mismatch(
+                    index=req.index,
+                    prompt_len=len(req.prompt),
+                    max_tokens=req.max_tokens,
+                    first_difference=at,
+                    got=got[at : at + 8],
+                    want=want[at : at + 8],
+                )
+            )
+    unanswered = sum(a is None for a in answers)
+    return len(done), len(chosen), unanswered, mismatches
+
+
+def _result(
+    cfg: SoakConfig,
+    t: _Traffic,
+    oracle: tuple[int, int, int, list[Mismatch]],
+    log_dir: Path,
+    date: str,
+) -> SoakResult:
+    out = t.outcomes
+    failed = [o for o in out if o.status == "failed"]
+    p50, p99 = latency_percentiles([o.ended_s - o.sent_s for o in out if o.token_ids])
+    return SoakResult(
+        date=date,
+        mode=cfg.mode,
+        transport=cfg.transport,
+        model=cfg.model,
+        duration_s=cfg.duration_s,
+        drain_s=t.drain_s,
+        request_rate=t.rate,
+        rate_derived=cfg.request_rate is None,
+        input_len=cfg.traffic.input_len,
+        output_len=cfg.traffic.output_len,
+        abort_fraction=cfg.traffic.abort_fraction,
+        max_concurrency=cfg.max_concurrency,
+        seed=cfg.seed,
+        sent=len(out),
+        completed=sum(o.status == "completed" for o in out),
+        aborted=sum(o.status == "aborted" for o in out),
+        failed=len(failed),
+        output_tokens=sum(o.num_tokens for o in out),
+        latency_p50_s=p50,
+        latency_p99_s=p99,
+        causes=group_causes(o.cause for o in failed),
+        phases=count_phases(((o.sent_s, o.status) for o in out), t.restart),
+        restart=t.restart,
+        instances=t.instances,
+        blocks_leaked=total_leaked(t.instances),
+        oracle_candidates=oracle[0],
+        oracle_checked=oracle[1],
+        oracle_failed=oracle[2],
+        mismatches=oracle[3],
+        failed_requests=[
+            FailedRequest(
+                index=o.index,
+                sent_s=o.sent_s,
+                ended_s=o.ended_s,
+                cause=o.cause or "",
+                detail=o.detail,
+            )
+            for o in failed[:MAX_FAILED_SAVED]
+        ],
+        load_average=os.getloadavg(),
+        log_dir=str(log_dir),
+    )
+
+
+def run_soak(cfg: SoakConfig) -> tuple[SoakResult, Path]:
+    """Run a whole soak; returns the result and where its JSON was saved. Raises
+    ClusterError / EndpointError when the cluster or the oracle cannot be used at all."""
+    date = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
+    run_dir = cfg.out_dir / f"soak-{cfg.mode}-{date}"
+    cluster_cfg = ClusterConfig(
+        kv_transfer=cfg.mode,
+        transport=cfg.transport,
+        model=cfg.model,
+        port=None,
+        request_timeout_s=cfg.request_timeout_s + _TIMEOUT_MARGIN_S,
+        log_dir=run_dir / "cluster",
+        instance_args=cfg.instance_args,
+        pin_cores=cfg.pin_cores,
+    )
+    with Cluster(cluster_cfg) as cluster:
+        traffic = asyncio.run(_run_traffic(cluster, cfg))
+    oracle = run_oracle(cfg, run_dir / "oracle", traffic, _rngs(cfg.seed)[3])
+    result = _result(cfg, traffic, oracle, run_dir, date)
+    path = run_dir / "result.json"
+    path.write_bytes(msgspec.json.format(msgspec.json.encode(result)))
+    return result, path
+
+
+# -- CLI ------------------------------------------------------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of `pdserve bench soak`; everything after `--` goes to every instance."""
+    d = SoakConfig()
+    t = d.traffic
+    parser.add_argument("--duration-min", type=float, default=d.duration_s / 60)
+    parser.add_argument("--mode", choices=("pull", "push"), default=d.mode)
+    parser.add_argument("--transport", choices=("tcp", "nixl"), default=d.transport)
+    parser.add_argument("--model", default=d.model)
+    parser.add_argument(
+        "--request-rate", type=float, help="req/s (default: --target-load / warm-up latency)"
+    )
+    parser.add_argument("--target-load", type=float, default=d.target_load)
+    parser.add_argument(
+        "--input-len", type=int, nargs=2, default=t.input_len, metavar=("MIN", "MAX")
+    )
+    parser.add_argument(
+        "--output-len", type=int, nargs=2, default=t.output_len, metavar=("MIN", "MAX")
+    )
+    parser.add_argument("--abort-fraction", type=float, default=t.abort_fraction)
+    parser.add_argument(
+        "--abort-window",
+        type=float,
+        default=t.abort_window_s,
+        metavar="S",
+        help="a client abort comes at most this long after the send",
+    )
+    parser.add_argument("--restart-at", type=float, default=d.restart_at, metavar="FRACTION")
+    parser.add_argument("--no-restart", action="store_true", help="no prefill restart")
+    parser.add_argument("--max-concurrency", type=int, default=d.max_concurrency)
+    parser.add_argument("--oracle-sample", type=float, default=d.oracle_sample, metavar="FRACTION")
+    parser.add_argument("--request-timeout", type=float, default=d.request_timeout_s, metavar="S")
+    parser.add_argument("--drain-timeout", type=float, default=d.drain_timeout_s, metavar="S")
+    parser.add_argument("--seed", type=int, default=d.seed)
+    parser.add_argument("--out-dir", type=Path, default=d.out_dir)
+    parser.add_argument("--no-pin", action="store_true", help="do not pin instances to cores")
+    parser.add_argument("--disable-tqdm", action="store_true")
+    parser.add_argument("instance_args", nargs=argparse.REMAINDER, help="-- then instance flags")
+
+
+def config_from_args(args: argparse.Namespace) -> SoakConfig:
+    """SoakConfig of parsed flags; ValueError for an invalid combination."""
+    extra = list(args.instance_args)
+    return SoakConfig(
+        mode=args.mode,
+        transport=args.transport,
+        model=args.model,
+        duration_s=args.duration_min * 60,
+        request_rate=args.request_rate,
+        target_load=args.target_load,
+        traffic=TrafficConfig(
+            input_len=tuple(args.input_len),
+            output_len=tuple(args.output_len),
+            abort_fraction=args.abort_fraction,
+            abort_window_s=args.abort_window,
+        ),
+        restart_at=None if args.no_restart else args.restart_at,
+        max_concurrency=args.max_concurrency,
+        oracle_sample=args.oracle_sample,
+        request_timeout_s=args.request_timeout,
+        drain_timeout_s=args.drain_timeout,
+        seed=args.seed,
+        out_dir=args.out_dir,
+        instance_args=tuple(extra[1:] if extra[:1] == ["--"] else extra),
+        pin_cores=not args.no_pin,
+        progress=False if args.disable_tqdm else None,
+    )
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run the soak, print the summary; 1 on leaks or wrong outputs, 2 if it could not run."""
+    try:
+        cfg = config_from_args(args)
+        result, path = run_soak(cfg)
+    except (ClusterError, EndpointError, ValueError) as exc:
+        print(f"pdserve bench soak: {exc}", file=sys.stderr)
+        return 2
+    print(format_summary(result))
+    print(f"saved {path}; logs in {result.log_dir}")
+    return exit_status(result)
