@@ -30,6 +30,11 @@ BENCH_COMMANDS: tuple[tuple[str, str, str], ...] = (
         "pdserve.bench.soak",
         "minutes of aborted, P-restarted traffic; leaks and wrong outputs",
     ),
+    (
+        "make-checkpoint",
+        "pdserve.bench.make_checkpoint",
+        "write a random Hugging Face checkpoint of a given shape (for comparisons)",
+    ),
 )
 
 

@@ -105,7 +105,8 @@ def test_metadata_slots_positions_and_logits_indices():
     assert meta.positions.tolist() == [14, 15, 16, 0, 30]
     assert meta.slot_mapping.tolist() == [7 * 16 + 14, 7 * 16 + 15, 2 * 16 + 0, 5 * 16, 4 * 16 + 14]
     assert meta.logits_indices.tolist() == [2, 3, 4]
-    assert len(meta.prefills) == 1 and meta.prefills[0].mask is not None
+    (chunk,) = meta.prefills
+    assert chunk.prefix_len == 14 and chunk.block_ids.tolist() == [7]  # only the prefix's blocks
     (group,) = meta.decodes
     assert sorted(group.token_indices.tolist()) == [3, 4]
     assert group.mask.sum().item() == 1 + 31
@@ -140,3 +141,19 @@ def test_bfloat16_runs(tmp_path):
     logits, _ = step(lm, kv, [(SeqSlice([0, 1], 0, 20), prompt(20, seed=4))])
     assert logits.dtype == torch.float32 and logits.shape == (20, lm.spec.vocab_size)
     assert torch.isfinite(logits).all()
+
+
+@pytest.mark.parametrize("prefix, new", [(1, 5), (13, 16), (37, 2)])
+def test_chunk_after_prefix_equals_masked_attention(prefix, new):
+    from pdserve.model.attention import _attend_after_prefix
+
+    g = torch.Generator().manual_seed(prefix)
+    q = torch.randn(1, 4, new, 8, generator=g)
+    k = torch.randn(1, 4, prefix + new, 8, generator=g)
+    v = torch.randn(1, 4, prefix + new, 8, generator=g)
+    keys = torch.arange(prefix + new)
+    mask = keys[None, :] <= torch.arange(prefix, prefix + new)[:, None]
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    split = (k[:, :, :prefix], v[:, :, :prefix], k[:, :, prefix:], v[:, :, prefix:])
+    got = _attend_after_prefix(q, split[0], split[1], split[2], split[3])
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

@@ -53,14 +53,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--threads", type=int, default=1, help="torch threads (default: %(default)s)"
     )
     parser.add_argument("--dtype", default="float32", help="model dtype (default: %(default)s)")
+    parser.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="step token budget, i.e. the prefill chunk (default: the prefill length, at "
+        "least 2048; the server's default is 2048, so a longer prompt is chunked there)",
+    )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
-def _engine(model: str, dtype: str, max_len: int) -> LLMEngine:
+def _engine(model: str, dtype: str, budget: int) -> LLMEngine:
     cfg = EngineConfig(
         model=ModelConfig(model=model, dtype=dtype),
         cache=CacheConfig(kv_cache_memory_gib=1.0),
-        scheduler=SchedulerConfig(max_num_batched_tokens=max(max_len, 2048), max_num_seqs=256),
+        scheduler=SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=256),
     )
     return LLMEngine.from_config(cfg)
 
@@ -99,12 +106,14 @@ def main(args: argparse.Namespace) -> int:
     rng = random.Random(0)
     rows = []
     for model in args.model:
-        engine = _engine(model, args.dtype, args.prefill_len)
+        budget = args.max_num_batched_tokens or max(args.prefill_len, 2048)
+        engine = _engine(model, args.dtype, budget)
         prefill_tps(engine, 64, rng)  # warm-up
         row = {
             "model": model,
             "threads": args.threads,
             "prefill_len": args.prefill_len,
+            "max_num_batched_tokens": budget,
             "prefill_tok_s": round(prefill_tps(engine, args.prefill_len, rng), 1),
         }
         for b in tqdm(args.batch, desc=f"{model} decode", leave=False):

@@ -129,7 +129,7 @@ def write_model_dir(recipe: BuiltinRecipe, path: Path) -> None:
     eos_ids = [tokenizer.token_to_id("<|im_end|>"), tokenizer.token_to_id("<|endoftext|>")]
     (path / "tokenizer.json").write_text(tokenizer.to_str(), encoding="utf-8")
     _write_json(path / "config.json", _hf_config(recipe, vocab, eos_ids))
-    _write_json(path / "tokenizer_config.json", _tokenizer_config(recipe, tokenizer))
+    _write_json(path / "tokenizer_config.json", tokenizer_config_for(recipe, tokenizer))
     _write_json(
         path / "generation_config.json", {"eos_token_id": eos_ids, "pad_token_id": eos_ids[1]}
     )
@@ -191,7 +191,8 @@ def _hf_config(recipe: BuiltinRecipe, vocab: int, eos_ids: list[int]) -> dict[st
     }
 
 
-def _tokenizer_config(recipe: BuiltinRecipe, tokenizer: tokenizers.Tokenizer) -> dict[str, Any]:
+def tokenizer_config_for(recipe: BuiltinRecipe, tokenizer: tokenizers.Tokenizer) -> dict[str, Any]:
+    """tokenizer_config.json of a built-in recipe: special tokens and chat template."""
     added = {str(tokenizer.token_to_id(t)): {"content": t, "special": True} for t in SPECIAL_TOKENS}
     return {
         "tokenizer_class": "PreTrainedTokenizerFast",

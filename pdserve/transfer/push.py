@@ -17,6 +17,11 @@ P (writer thread): pairs registrations and finished prompts by transfer id, in e
   prompt never came (`registration_ttl_s`); frees prompts nobody registered for after
   `lease_s`. Fencing rule: after PushAbort, a transfer is never posted; one already in
   flight is acknowledged only when the transport reports it finished.
+P (completion watcher thread): blocks on each posted write until the transport finishes it
+  and then wakes the writer, so the writer sleeps on its inbox instead of polling every
+  millisecond while writes are in flight (that poll took P's core and GIL from prefill).
+  The tcp transport's wait is a condition variable; nixl needs polling to make progress, so
+  there the watcher polls (every `_NIXL_POLL_S`), on its own thread.
 """
 
 from __future__ import annotations
@@ -42,8 +47,16 @@ from pdserve.transfer.connector import (
 from pdserve.transfer.descriptors import block_descriptors
 from pdserve.transfer.params import KVTransferParams
 from pdserve.transfer.side_channel import Address
+from pdserve.transfer.transport import TransferState
 
 log = logging.getLogger(__name__)
+
+_IDLE_WAKE_S = 0.05  # the writer's sweep period for deadlines when nothing else wakes it
+_NIXL_POLL_S = 0.001
+
+
+class _WriteDone:
+    """Watcher -> writer: a posted write finished (the writer polls and releases it)."""
 
 
 @dataclass
@@ -110,6 +123,7 @@ class PushConnector(KVConnector):
         super().__init__(*args, **kwargs)
         self._inbox: queue.SimpleQueue[object] = queue.SimpleQueue()
         self._outbox: queue.SimpleQueue[_Register | None] = queue.SimpleQueue()
+        self._posted: queue.SimpleQueue[object] = queue.SimpleQueue()  # writer -> watcher
         self._stop = threading.Event()
         self._p_of: dict[str, Address] = {}  # D: transfer id -> P's side channel
         # P: transfer ids whose registration arrived; the engine thread reads it to decide
@@ -120,6 +134,7 @@ class PushConnector(KVConnector):
             threading.Thread(target=self._writer_loop, name="pdserve-push-writer", daemon=True),
             threading.Thread(target=self._sender_loop, name="pdserve-push-reg", daemon=True),
             threading.Thread(target=self._notif_loop, name="pdserve-push-notif", daemon=True),
+            threading.Thread(target=self._watch_loop, name="pdserve-push-watch", daemon=True),
         ]
         for t in self._threads:
             t.start()
@@ -229,13 +244,16 @@ class PushConnector(KVConnector):
     def _writer_loop(self) -> None:
         w = _WriterState()
         while not self._stop.is_set():
-            timeout = 0.001 if (w.inflight or w.delayed or w.streams) else 0.05
+            timeout = _IDLE_WAKE_S
+            if w.delayed:  # tests' forced hand-off delays: wake when the first one is due
+                soonest = min(f.ready_at for f in w.delayed.values())
+                timeout = min(timeout, max(0.0, soonest - time.monotonic()))
             try:
                 item = self._inbox.get(timeout=timeout)
             except queue.Empty:
                 item = None
             try:
-                if item is not None:
+                if item is not None and not isinstance(item, _WriteDone):
                     self._writer_take(w, item)
                 self._writer_pair(w)
                 self._writer_poll(w)
@@ -315,6 +333,7 @@ class PushConnector(KVConnector):
                 w.inflight[reg.transfer_id] = _InFlight(
                     reg, handle, time.monotonic(), nbytes, len(local)
                 )
+                self._posted.put(handle)
                 return
         self.report(ReleaseHold(fin.transfer_id, "write not possible"))
 
@@ -341,12 +360,41 @@ class PushConnector(KVConnector):
             self.kv, peer.num_blocks, item.blocks, reg.block_ids, layers=[item.layer]
         )
         try:
-            stream.handles.append(self.post_transfer("write", peer, local, remote, None))
+            handle = self.post_transfer("write", peer, local, remote, None)
         except Exception as exc:
             stream.error = f"could not post the KV write of layer {item.layer}: {exc}"
             return
+        stream.handles.append(handle)
+        self._posted.put(handle)
         stream.nbytes += sum(n for _, n in local)
         stream.ndesc += len(local)
+
+    def _watch_loop(self) -> None:
+        """Wait for each posted write in posting order, then wake the writer.
+
+        Posting order is completion order on one link; with several peers a write that
+        finished early is reported when the older one ahead of it is.
+        """
+        raw = self.transport.transport
+        blocking = self.transport.kind != "nixl"
+        while not self._stop.is_set():
+            try:
+                handle = self._posted.get(timeout=_IDLE_WAKE_S)
+            except queue.Empty:
+                continue
+            while not self._stop.is_set():
+                try:
+                    if blocking:
+                        pending = raw.wait(handle, _IDLE_WAKE_S) is TransferState.PENDING
+                    else:
+                        pending = raw.state(handle) is TransferState.PENDING
+                except Exception:  # released by the writer already: it saw it finish
+                    break
+                if not pending:
+                    break
+                if not blocking:
+                    time.sleep(_NIXL_POLL_S)
+            self._inbox.put(_WriteDone())
 
     def _writer_poll_streams(self, w: _WriterState) -> None:
         """A stream ends once its prompt finished and every layer write did."""
@@ -462,6 +510,7 @@ class PushConnector(KVConnector):
     def close(self) -> None:
         self._stop.set()
         self._outbox.put(None)
+        self._inbox.put(_WriteDone())  # wake the writer now rather than at its next sweep
         for t in self._threads:
             t.join(2.0)
         super().close()
