@@ -50,6 +50,8 @@ from typing import Literal
 
 import httpx
 
+from pdserve.router.config import POLICY_NAMES
+
 log = logging.getLogger(__name__)
 
 InstanceRole = Literal["prefill", "decode", "both"]
@@ -77,6 +79,7 @@ class ClusterConfig:
     api_key: str | None = None  # given to every child as PDSERVE_API_KEY
     cluster_token: str | None = None  # None: $PDSERVE_CLUSTER_TOKEN, else a random one
     request_timeout_s: float | None = None  # the router's; None: its default
+    local_prefill_below: int | None = None  # the router's; None: its default (off)
     log_dir: Path | None = None  # None: a new temporary directory
     instance_args: tuple[str, ...] = ()  # appended to every instance's command line
     pin_cores: bool = True
@@ -384,6 +387,8 @@ class Cluster:
         ]
         if c.request_timeout_s is not None:
             cmd += ["--request-timeout", str(c.request_timeout_s)]
+        if c.local_prefill_below is not None:
+            cmd += ["--local-prefill-below", str(c.local_prefill_below)]
         url = f"http://{_connect_host(c.host)}:{port}"
         return self._spawn("router", "router", cmd, self._child_env(threads=None), url, None)
 
@@ -488,7 +493,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="passed to every instance (default: theirs)")
     parser.add_argument("--host", default="127.0.0.1", help="where the router listens")
     parser.add_argument("--port", type=int, default=8000, help="the router's port")
-    parser.add_argument("--policy", choices=("round_robin", "least_loaded"), default="round_robin")
+    parser.add_argument(
+        "--policy",
+        choices=POLICY_NAMES,
+        default="round_robin",
+        help="the router's choice of instance (docs/router.md; default: %(default)s)",
+    )
+    parser.add_argument(
+        "--local-prefill-below",
+        type=int,
+        metavar="N",
+        help="the router prefills prompts under N tokens on the decode instance, skipping the "
+        "transfer (default: the router's, off)",
+    )
     parser.add_argument(
         "--api-key",
         default=os.environ.get("PDSERVE_API_KEY"),
@@ -528,6 +545,7 @@ def config_from_args(args: argparse.Namespace) -> ClusterConfig:
         api_key=args.api_key or None,
         cluster_token=args.cluster_token or None,
         request_timeout_s=args.request_timeout,
+        local_prefill_below=args.local_prefill_below,
         log_dir=args.log_dir,
         instance_args=tuple(extra),
         pin_cores=not args.no_pin,

@@ -86,13 +86,29 @@ def test_up_arguments_map_to_config() -> None:
     assert config.instance_args == ("--max-num-seqs", "8") and not config.pin_cores
     mono = config_from_args(parser.parse_args(["--monolithic"]))
     assert mono.monolithic
+    routed = config_from_args(
+        parser.parse_args(
+            ["--kv-transfer", "push", "--policy", "load_aware", "--local-prefill-below", "64"]
+        )
+    )
+    assert (routed.policy, routed.local_prefill_below) == ("load_aware", 64)
+    assert config_from_args(parser.parse_args(["--monolithic"])).local_prefill_below is None
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--kv-transfer", "push", "--policy", "fastest"])
 
 
 @pytest.mark.slow  # a 3-process cluster
 def test_cluster_starts_serves_and_stops_processes_by_pid(tmp_path: Path) -> None:
-    config = ClusterConfig(kv_transfer="push", log_dir=tmp_path, port=None, startup_timeout_s=60)
+    config = ClusterConfig(
+        kv_transfer="push",
+        log_dir=tmp_path,
+        port=None,
+        startup_timeout_s=60,
+        local_prefill_below=0,
+    )
     with Cluster(config, instance_command=fake_command) as cluster:
         procs = cluster.processes
+        assert "--local-prefill-below 0" in (tmp_path / "router.log").read_text()
         assert [p.role for p in procs] == ["prefill", "decode", "router"]
         assert all(p.alive() for p in procs)
         resp = httpx.post(
