@@ -83,6 +83,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+# How long one blocking wait on a transfer lasts before it checks again (tcp wakes earlier).
+_TRANSFER_WAKE_S = 0.05
+
 
 class KVReady(msgspec.Struct, frozen=True):
     """Engine event: the request's prompt KV is in its blocks; P sampled `first_token_id`."""
@@ -485,11 +488,9 @@ class KVConnector:
         """Post and wait until the transport finishes (its own timeout bounds the wait)."""
         t0 = time.monotonic()
         handle = self.post_transfer(kind, peer, local, remote, notif)
-        while True:
-            done, error = self.transfer_state(handle)
-            if done:
-                break
-            time.sleep(0.0005)
+        done, error = self.transfer_state(handle)
+        while not done:  # blocking, not a sleep loop: this runs on D's core during every READ
+            done, error = self.transport.wait(handle, _TRANSFER_WAKE_S)
         if error:
             raise TransferError(f"KV {kind} failed: {error}")
         self.count_transfer(sum(n for _, n in local), len(local), time.monotonic() - t0)

@@ -13,6 +13,7 @@ reports it finished (see pdserve.transfer.transport.base).
 from __future__ import annotations
 
 import itertools
+import time
 
 import numpy as np
 
@@ -28,6 +29,9 @@ from pdserve.transfer.transport import (
 )
 
 Pairs = list[tuple[int, int]]
+
+# nixl makes progress only when polled; the interval a waiting caller sleeps between polls.
+_NIXL_POLL_S = 0.0005
 
 
 class KVTransport:
@@ -81,6 +85,16 @@ class KVTransport:
         error = self.transport.error(handle) if state is TransferState.ERROR else None
         self.transport.release(handle)
         return True, error
+
+    def wait(self, handle: TransferHandle, timeout_s: float) -> tuple[bool, str | None]:
+        """`poll` after blocking up to `timeout_s` for the transfer to finish. The tcp backend
+        wakes the caller on completion; nixl only progresses when polled, so there this
+        sleeps a short poll interval instead of burning the caller's core."""
+        if self.kind == "nixl":
+            time.sleep(min(timeout_s, _NIXL_POLL_S))
+        else:
+            self.transport.wait(handle, timeout_s)
+        return self.poll(handle)
 
     def send_notif(self, peer: PeerId, payload: bytes) -> None:
         """A small message to `peer`, ordered after the transfers posted before it."""
