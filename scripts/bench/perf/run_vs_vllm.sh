@@ -1,0 +1,43 @@
+#!/bin/bash
+# pdserve pull / push / monolithic on the random Qwen3 checkpoint, at the field notes' points.
+# Usage: run_vs_vllm.sh OUT_DIR "ONE_AT_A_TIME_LENS" "LEN:RATE ..." [NUM_PROMPTS]
+# Three clusters stay up for the whole run (interleaved modes, rotating order per point).
+set -u
+cd "$(dirname "$0")/../../.."  # the repo root: OUT_DIR and MODEL are relative to it
+OUT=$1; C1_LENS=$2; LOADED=$3; N=${4:-32}
+MODEL=${MODEL:-results/ckpt-qwen3-4l256}
+PY=.venv/bin/python
+mkdir -p $OUT
+echo "start $(date -u +%FT%TZ) $(cat /proc/loadavg)" | tee -a $OUT/log.txt
+(while true; do echo "$(date -u +%T) $(cat /proc/loadavg)" >> $OUT/load.txt; sleep 30; done) &
+LOADPID=$!
+declare -A PORT=([pull]=18110 [push]=18120 [monolithic]=18130)
+PIDS=()
+for mode in pull push monolithic; do
+  if [ $mode = monolithic ]; then flag=--monolithic; else flag="--kv-transfer $mode"; fi
+  $PY -m pdserve up $flag --model $MODEL --port ${PORT[$mode]} --log-dir $OUT/logs-$mode \
+      -- --dtype float32 --kv-cache-memory 1 > $OUT/up-$mode.txt 2>&1 &
+  PIDS+=($!)
+done
+for mode in pull push monolithic; do
+  for i in $(seq 120); do grep -q "ready" $OUT/up-$mode.txt && break; sleep 1; done
+  grep -q ready $OUT/up-$mode.txt || { echo "$mode did not start"; cat $OUT/up-$mode.txt; }
+done
+rot=0
+run_point() {  # len rate conc label
+  local modes=(pull push monolithic) i m
+  for i in 0 1 2; do
+    m=${modes[$(( (i + rot) % 3 ))]}
+    $PY -m pdserve bench serve --base-url http://127.0.0.1:${PORT[$m]} --input-len $1 \
+      --output-len 64 --num-prompts $N --request-rate $2 $3 --seed 0 --num-warmups 2 \
+      --ignore-eos --disable-tqdm --label $m --save-result $OUT/$4-$m.json > $OUT/$4-$m.txt 2>&1
+    echo "$(date -u +%T) $4 $m rc=$? load $(cut -d' ' -f1 /proc/loadavg)" | tee -a $OUT/log.txt
+  done
+  rot=$((rot + 1))
+}
+for L in $C1_LENS; do run_point $L inf "--max-concurrency 1" "in${L}-c1"; done
+for p in $LOADED; do run_point ${p%:*} ${p#*:} "" "in${p%:*}-r${p#*:}"; done
+for pid in "${PIDS[@]}"; do kill -TERM $pid; done
+for pid in "${PIDS[@]}"; do wait $pid; done
+kill $LOADPID
+echo "end $(date -u +%FT%TZ) $(cat /proc/loadavg)" | tee -a $OUT/log.txt
