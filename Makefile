@@ -21,19 +21,19 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 test: venv
-	$(PY) -m ruff check pdserve tests
+	$(PY) -m ruff check pdserve tests scripts
 	$(PY) -m pytest -q -ra --durations=15
 
 test-fast: venv
 	$(PY) -m pytest -q -m "not slow"
 
 lint: venv
-	$(PY) -m ruff check pdserve tests
-	$(PY) -m ruff format --check pdserve tests
+	$(PY) -m ruff check pdserve tests scripts
+	$(PY) -m ruff format --check pdserve tests scripts
 
 format: venv
-	$(PY) -m ruff format pdserve tests
-	$(PY) -m ruff check --fix pdserve tests
+	$(PY) -m ruff format pdserve tests scripts
+	$(PY) -m ruff check --fix pdserve tests scripts
 
 demo: venv
 	$(PY) -m pdserve.demo
