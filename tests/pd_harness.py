@@ -17,6 +17,7 @@ from pdserve.engine.types import EngineRequest, RequestOutput, SamplingParams
 from pdserve.transfer.connector import ConnectorConfig
 from pdserve.transfer.factory import build_factory
 from pdserve.transfer.params import KVTransferParams
+from tests.procs import free_port
 
 
 def engine_config(num_blocks: int = 256) -> EngineConfig:
@@ -123,3 +124,15 @@ class Pair:
 
 def _fields(params: KVTransferParams) -> dict:
     return {f: getattr(params, f) for f in params.__struct_fields__}
+
+
+def unreachable_push_params(tid: str) -> KVTransferParams:
+    """Push params naming a prefill instance at an address nobody answers at."""
+    return KVTransferParams(
+        do_remote_prefill=True,
+        transfer_mode="push",
+        transfer_id=tid,
+        remote_engine_id="prefill-nobody",
+        remote_host="127.0.0.1",
+        remote_port=free_port(),
+    )

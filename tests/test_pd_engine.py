@@ -14,7 +14,7 @@ import pytest
 from pdserve.config import ModelConfig
 from pdserve.engine.types import EngineRequest, FinishReason, SamplingParams
 from pdserve.model.loader import load_model
-from tests.pd_harness import Pair, make_engine
+from tests.pd_harness import Pair, make_engine, unreachable_push_params
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
@@ -241,3 +241,43 @@ def test_push_streams_layer_by_layer_when_registered_before_the_last_chunk(
     assert pair.p.connector.stats.transfers == 1
     assert pair.p.connector.stats.descriptors >= 2 * pair.p.kv.num_layers
     pair.settle()
+
+
+def test_unreachable_address_does_not_delay_other_pushes(pair_factory, reference) -> None:
+    """Each prefill instance has its own registration lane on D: a registration stuck in a
+    handshake with an address nobody answers at does not hold up the live P's.
+
+    The dead address's handshake would last 60 s; the live request gets 15 s, so it cannot
+    have waited behind that handshake. The dead one fails by D's heartbeat, leaking nothing.
+    """
+    pair = pair_factory("push", d_kw={"handshake_timeout_s": 60.0, "recv_timeout_s": 60.0})
+    ids = prompts(1, seed=20)[0]
+    dead = unreachable_push_params("t-dead")
+    pair.submit_d("r-dead", ids, GREEDY, dead)
+    pair.run_until(lambda: pair.d.stats().num_waiting_for_kv == 1, only=pair.d)  # handshaking
+    pair.submit_p("r-p", ids, "t-live")
+    pair.submit_d("r", ids, GREEDY, pair.push_params("t-live"))
+    pair.run_until(lambda: pair.finished("r"), timeout=15.0)
+    assert pair.finished("r").finish_reason is FinishReason.LENGTH, pair.finished("r").error
+    assert pair.tokens("r") == reference(ids)
+    pair.run_until(lambda: pair.finished("r-dead"), timeout=15.0)
+    out = pair.finished("r-dead")
+    assert out.finish_reason is FinishReason.ERROR
+    assert f"127.0.0.1:{dead.remote_port} stopped answering" in out.error, out.error
+    pair.settle()
+
+
+def test_push_registration_cancelled_before_it_is_sent_frees_blocks_at_once(
+    pair_factory,
+) -> None:
+    """A registration still waiting for its handshake when D's watchdog ends the request is
+    never sent, so no write can land: D's blocks go back at once, not after `quarantine_s`
+    (the heartbeat, which would also release them, is made too slow to matter here)."""
+    slow = {"handshake_timeout_s": 60.0, "quarantine_s": 60.0, "heartbeat_misses": 1000}
+    pair = pair_factory("push", d_kw={**slow, "recv_timeout_s": 0.5})
+    pair.submit_d("r", prompts(1, seed=21)[0], GREEDY, unreachable_push_params("t-gone"))
+    pair.run_until(lambda: pair.finished("r"), timeout=10.0, only=pair.d)
+    assert "no KV" in pair.finished("r").error
+    pair.run_until(lambda: pair.d.pool.num_used == 0, timeout=10.0, only=pair.d)
+    pair.d.check_integrity()
+    assert not pair.d.connector.quarantine

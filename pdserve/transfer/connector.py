@@ -21,7 +21,8 @@ Scheduler side (called only from the engine thread; may touch the block pool):
 Worker side (connector threads; never the engine thread, never the block pool):
   the side-channel receiver, and the mode's transfer thread(s): pull's lanes on D (one
   per prefill instance, so a dead or slow one delays only its own requests), push's
-  writer on P. They report to the engine thread through one event queue and
+  registration lanes on D (the same, `lanes.py`) and its writer and completion watcher
+  on P. They report to the engine thread through one event queue and
   wake it with `wake()`.
 
 Who owns a block, at every moment:

@@ -10,11 +10,12 @@ P (side-channel receiver): a PullClaim is granted only if P still holds exactly 
 D (engine thread): `start_receive` verifies the params (`check_params`: P's signature,
   when this instance has a cluster token) and hands the job to the lane of its prefill
   instance; a rejected job fails at once, before any message or READ.
-D (lanes): one thread per prefill instance (side-channel address), created on demand
-  and gone after `LANE_IDLE_S` without work, runs that instance's jobs in order:
-  handshake on first contact, claim, READ of every layer's blocks with coalesced
-  descriptors (bounded by the transport's own timeout), PullDone, report. A dead or slow
-  prefill instance delays only its own lane; no READ ever runs on the engine thread.
+D (lanes, pdserve.transfer.lanes): one thread per prefill instance (side-channel
+  address), created on demand and gone after `LANE_IDLE_S` without work, runs that
+  instance's jobs in order: handshake on first contact, claim, READ of every layer's
+  blocks with coalesced descriptors (bounded by the transport's own timeout), PullDone,
+  report. A dead or slow prefill instance delays only its own lane; no READ ever runs on
+  the engine thread.
   A request that ends while its READ is in flight has its blocks quarantined; the lane
   releases them once the READ is over, whatever its outcome, so no READ ever lands in
   blocks that another request owns.
@@ -23,10 +24,7 @@ D (lanes): one thread per prefill instance (side-channel address), created on de
 from __future__ import annotations
 
 import logging
-import queue
-import threading
 import time
-from dataclasses import dataclass, field
 
 import msgspec
 
@@ -42,6 +40,7 @@ from pdserve.transfer.connector import (
     TransferError,
     transfer_id_of,
 )
+from pdserve.transfer.lanes import Lanes
 from pdserve.transfer.params import (
     InvalidKVTransferParams,
     KVTransferParams,
@@ -67,14 +66,6 @@ class _ReadJob(msgspec.Struct):
         return (self.params.remote_host, self.params.remote_port)
 
 
-@dataclass
-class _Lane:
-    """The jobs for one prefill instance and the thread that runs them (see module doc)."""
-
-    jobs: queue.SimpleQueue[_ReadJob | None] = field(default_factory=queue.SimpleQueue)
-    thread: threading.Thread | None = None
-
-
 class PullConnector(KVConnector):
     """Pull: the decode side reads; the prefill side holds blocks under a lease."""
 
@@ -82,8 +73,7 @@ class PullConnector(KVConnector):
         super().__init__(*args, **kwargs)
         token = self.cfg.cluster_token
         self._key = token.encode() if token else None
-        self._lanes: dict[Address, _Lane] = {}
-        self._lanes_lock = threading.Lock()
+        self._lanes: Lanes[_ReadJob] = Lanes(self._run, "pdserve-pull", MAX_LANES, LANE_IDLE_S)
 
     # -- P -------------------------------------------------------------------------------
     def prefill_done(self, req: Request, first_token: int) -> KVTransferParams:
@@ -158,7 +148,7 @@ class PullConnector(KVConnector):
         if ended:
             self._fail_now(job.tid, ended, "lease_expired")
             return
-        if not self._enqueue(job):
+        if not self._lanes.submit(job.address, job):
             what = f"already reading from {len(self._lanes)} prefill instances (the most)"
             self._fail_now(job.tid, what, "transfer_failed")
 
@@ -167,38 +157,6 @@ class PullConnector(KVConnector):
         log.warning("pull %s refused: %s", tid, error)
         self.report(Failed(tid, error, cause))
         self.report(ReleaseQuarantine(tid))
-
-    def _enqueue(self, job: _ReadJob) -> bool:
-        """Hand `job` to its prefill instance's lane, starting one if needed."""
-        with self._lanes_lock:
-            lane = self._lanes.get(job.address)
-            if lane is None:
-                if len(self._lanes) >= MAX_LANES:
-                    return False
-                lane = self._lanes[job.address] = _Lane()
-                lane.thread = threading.Thread(
-                    target=self._lane_loop,
-                    args=(job.address, lane),
-                    name=f"pdserve-pull-{job.address[0]}:{job.address[1]}",
-                    daemon=True,
-                )
-                lane.thread.start()
-            lane.jobs.put(job)  # under the lock: an idle lane cannot retire past this job
-        return True
-
-    def _lane_loop(self, address: Address, lane: _Lane) -> None:
-        while True:
-            try:
-                job = lane.jobs.get(timeout=LANE_IDLE_S)
-            except queue.Empty:
-                with self._lanes_lock:
-                    if lane.jobs.empty():
-                        del self._lanes[address]
-                        return
-                continue
-            if job is None:
-                return
-            self._run(job)
 
     def _run(self, job: _ReadJob) -> None:
         """Claim, read and report one job (its lane's thread); never raises."""
@@ -265,12 +223,5 @@ class PullConnector(KVConnector):
         return Arrived(job.tid, p.first_token_id, p.prefill_done_time or 0.0)
 
     def close(self) -> None:
-        with self._lanes_lock:
-            lanes = list(self._lanes.values())
-            for lane in lanes:
-                lane.jobs.put(None)
-        deadline = time.monotonic() + 2.0
-        for lane in lanes:
-            if lane.thread is not None:
-                lane.thread.join(max(0.0, deadline - time.monotonic()))
+        self._lanes.close()
         super().close()

@@ -1,8 +1,14 @@
 """Push mode: D registers its blocks early; a writer thread on P WRITEs into them.
 
 D (engine thread): `start_receive` reserves the blocks (already allocated at
-  admission) and queues the registration; a sender thread handshakes with P on first
-  contact and sends PushRegistration over the side channel. A notification poller
+  admission) and hands the registration to the lane of its prefill instance.
+D (registration lanes, pdserve.transfer.lanes): one thread per prefill instance
+  (side-channel address), created on demand and gone after `LANE_IDLE_S` without work,
+  handshakes with P on first contact (or after P restarted) and sends that instance's
+  PushRegistrations in order, so an unreachable P (a handshake that times out) delays
+  only its own requests. A registration is sent at most once, and only while its request
+  still waits; one cancelled before it was sent is never sent, and its quarantine ends at
+  once, since P cannot know D's blocks without it. A notification poller
   thread waits for the WRITE's notification (PushDone, delivered by the transport only
   after the data) and reports the arrival. PushFailed from P fails the request at once.
   `cancel_receive` (abort or watchdog) fences the blocks in quarantine and sends
@@ -42,9 +48,11 @@ from pdserve.transfer.connector import (
     KVConnector,
     ReleaseHold,
     ReleaseQuarantine,
+    TransferError,
     transfer_id_of,
 )
 from pdserve.transfer.descriptors import block_descriptors
+from pdserve.transfer.lanes import Lanes
 from pdserve.transfer.params import KVTransferParams
 from pdserve.transfer.side_channel import Address
 from pdserve.transfer.transport import TransferState
@@ -53,6 +61,8 @@ log = logging.getLogger(__name__)
 
 _IDLE_WAKE_S = 0.05  # the writer's sweep period for deadlines when nothing else wakes it
 _NIXL_POLL_S = 0.001
+MAX_LANES = 64  # prefill instances D registers with at once; more fail at once
+LANE_IDLE_S = 30.0  # a registration lane's thread ends after this long without a job
 
 
 class _WriteDone:
@@ -112,8 +122,12 @@ class _Stream:
 @dataclass
 class _Register:
     transfer_id: str
-    peer: tuple[str, Address, str | None]
+    peer: tuple[str, Address, str | None]  # P's engine id, side channel, incarnation
     msg: m.PushRegistration
+
+    @property
+    def address(self) -> Address:
+        return self.peer[1]
 
 
 class PushConnector(KVConnector):
@@ -122,17 +136,24 @@ class PushConnector(KVConnector):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._inbox: queue.SimpleQueue[object] = queue.SimpleQueue()
-        self._outbox: queue.SimpleQueue[_Register | None] = queue.SimpleQueue()
         self._posted: queue.SimpleQueue[object] = queue.SimpleQueue()  # writer -> watcher
         self._stop = threading.Event()
-        self._p_of: dict[str, Address] = {}  # D: transfer id -> P's side channel
+        # D: registrations queued on a lane, not sent yet (transfer id -> P's side channel),
+        # and those sent (so P may write; an abort must be fenced). Moving a transfer id
+        # from one to the other (lane) and taking it out of either (cancel) happen under
+        # `_reg_lock`, so a registration is never sent after its request was cancelled.
+        self._unsent: dict[str, Address] = {}
+        self._p_of: dict[str, Address] = {}
+        self._reg_lock = threading.Lock()
+        self._lanes: Lanes[_Register] = Lanes(
+            self._register, "pdserve-push-reg", MAX_LANES, LANE_IDLE_S
+        )
         # P: transfer ids whose registration arrived; the engine thread reads it to decide
         # whether a finishing prompt can be streamed layer by layer.
         self._registered: set[str] = set()
         self.writer_stats = WriterStats()
         self._threads = [
             threading.Thread(target=self._writer_loop, name="pdserve-push-writer", daemon=True),
-            threading.Thread(target=self._sender_loop, name="pdserve-push-reg", daemon=True),
             threading.Thread(target=self._notif_loop, name="pdserve-push-notif", daemon=True),
             threading.Thread(target=self._watch_loop, name="pdserve-push-watch", daemon=True),
         ]
@@ -145,7 +166,6 @@ class PushConnector(KVConnector):
         p = req.kv_transfer
         assert p is not None and p.remote_host and p.remote_port and p.remote_engine_id
         tid = transfer_id_of(req)
-        self._p_of[tid] = (p.remote_host, p.remote_port)
         reg = m.PushRegistration(
             transfer_id=tid,
             engine_id=self.cfg.engine_id,
@@ -155,17 +175,39 @@ class PushConnector(KVConnector):
             num_tokens=req.num_prompt_tokens,
         )
         peer = (p.remote_engine_id, (p.remote_host, p.remote_port), p.remote_incarnation)
-        self._outbox.put(_Register(tid, peer, reg))
+        job = _Register(tid, peer, reg)
+        with self._reg_lock:
+            self._unsent[tid] = job.address
+        if not self._lanes.submit(job.address, job):
+            with self._reg_lock:
+                self._unsent.pop(tid, None)
+            what = f"already registering with {len(self._lanes)} prefill instances (the most)"
+            self.report(Failed(tid, f"push registration refused: {what}"))
 
-    def _sender_loop(self) -> None:
-        while (job := self._outbox.get()) is not None:
+    def _register(self, job: _Register) -> None:
+        """Handshake if needed, then send one registration (its lane's thread); never raises."""
+        tid = job.transfer_id
+        try:
             if self.cfg.push_register_delay_s:
                 time.sleep(self.cfg.push_register_delay_s)
-            try:
-                peer = self.peer(*job.peer)
+            peer = self.peer(*job.peer)
+        except Exception as exc:
+            with self._reg_lock:
+                waiting = self._unsent.pop(tid, None) is not None
+            if waiting:  # else cancelled meanwhile: its request has already ended
+                log.warning("push registration %s failed: %s", tid, exc)
+                cause = exc.cause if isinstance(exc, TransferError) else "transfer_failed"
+                where = f"{job.address[0]}:{job.address[1]}"
+                self.report(Failed(tid, f"push registration with {where} failed: {exc}", cause))
+            return
+        try:
+            with self._reg_lock:
+                if self._unsent.pop(tid, None) is None:
+                    return  # cancelled while queued or handshaking: never tell P
+                self._p_of[tid] = peer.address
                 self.side.send(peer.address, job.msg)
-            except Exception as exc:
-                self.report(Failed(job.transfer_id, f"push registration failed: {exc}"))
+        except Exception:  # the registration may be out: the watchdog and abort fence it
+            log.exception("push registration %s: could not send it", tid)
 
     def _notif_loop(self) -> None:
         while not self._stop.is_set():
@@ -180,8 +222,10 @@ class PushConnector(KVConnector):
                     self.report(Arrived(msg.transfer_id, msg.first_token_id, msg.prefill_done_time))
 
     def _on_cancel(self, tid: str) -> None:
-        to = self._p_of.pop(tid, None)
-        if to is None:
+        with self._reg_lock:
+            self._unsent.pop(tid, None)
+            to = self._p_of.pop(tid, None)
+        if to is None:  # P never got our blocks (or is done with them): nothing can land
             self.report(ReleaseQuarantine(tid))
             return
         abort = m.PushAbort(
@@ -509,7 +553,7 @@ class PushConnector(KVConnector):
 
     def close(self) -> None:
         self._stop.set()
-        self._outbox.put(None)
+        self._lanes.close()
         self._inbox.put(_WriteDone())  # wake the writer now rather than at its next sweep
         for t in self._threads:
             t.join(2.0)
