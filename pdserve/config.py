@@ -85,6 +85,7 @@ class TransportConfig:
     kind: TransportKind = "tcp"
     host: str = "127.0.0.1"
     port: int = 0  # 0: pick a free port
+    advertise_host: str | None = None  # the address peers dial; None: `host` (not a wildcard)
     cluster_token: str | None = None
     timeout_s: float = 10.0  # a pending transfer to a dead peer errors after this
     nixl_backend: Literal["UCX", "LIBFABRIC"] = "UCX"
@@ -100,6 +101,7 @@ class ConnectorConfig:
     incarnation: str = field(default_factory=lambda: secrets.token_hex(6))
     side_host: str = "127.0.0.1"
     side_port: int = 0
+    side_advertise_host: str | None = None  # the address peers are told; None: `side_host`
     cluster_token: str | None = None
     lease_s: float = 30.0  # P holds finished blocks at most this long
     # D waits at most this long for the KV (watchdog). Push reserves D's blocks while P's

@@ -94,6 +94,9 @@ class Behavior:
     num_chunks: int = 3
     chunk_delay_s: float = 0.0
     die_after_chunks: int | None = None  # drop the connection mid-stream (a crashed D)
+    # Go silent mid-stream (a frozen D) until `resume` is set, at most hold_timeout_s.
+    stall_after_chunks: int | None = None
+    resume: threading.Event | None = None
     head_event: bool = False  # a stream opens with a token-less role event (like chat)
     return_params: bool = True  # a prefill leg answers with kv_transfer_params
     load: dict[str, Any] = field(
@@ -219,6 +222,12 @@ async def _hold(b: Behavior, request: Request) -> bool:
     return True
 
 
+async def _stall(b: Behavior) -> None:
+    deadline = time.monotonic() + b.hold_timeout_s
+    while not (b.resume is not None and b.resume.is_set()) and time.monotonic() < deadline:
+        await asyncio.sleep(0.005)
+
+
 def _params_back(fake: FakeInstance, sent: dict[str, Any]) -> dict[str, Any] | None:
     if not (sent.get("do_remote_decode") and fake.behavior.return_params):
         return None
@@ -248,6 +257,8 @@ async def _stream(fake: FakeInstance, rec: Received, request: Request) -> AsyncI
         for i in range(b.num_chunks):
             if i == b.die_after_chunks:
                 raise RuntimeError("fake decode instance died mid-stream")
+            if i == b.stall_after_chunks:
+                await _stall(b)
             chunk = {
                 "id": "cmpl-fake",
                 "object": "text_completion",

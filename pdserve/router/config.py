@@ -37,6 +37,9 @@ class RouterConfig:
     health_interval_s: float = 1.0
     health_timeout_s: float = 2.0  # a busy CPU instance can answer /health slowly
     health_failures_to_eject: int = 2
+    # A D stream whose instance was ejected ends once D has then been silent this long (a
+    # busy D can miss health checks while still streaming; a frozen one sends nothing).
+    ejected_stream_grace_s: float = 5.0
     load_interval_s: float = 0.25  # `/load` polls, for the policies that use it
     local_prefill_below: int = DEFAULT_LOCAL_PREFILL_BELOW
     # Decode tokens a request is counted for when the client sets no max_tokens (chat).
@@ -51,6 +54,8 @@ class RouterConfig:
             raise ValueError("the router needs at least one prefill and one decode instance")
         if min(self.request_timeout_s, self.health_interval_s, self.load_interval_s) <= 0:
             raise ValueError("timeouts and intervals must be positive")
+        if self.ejected_stream_grace_s < 0:
+            raise ValueError("ejected_stream_grace_s must be >= 0")
         if self.local_prefill_below < 0 or self.default_max_tokens < 1:
             raise ValueError("local_prefill_below must be >= 0, default_max_tokens >= 1")
         if self.health_failures_to_eject < 1:

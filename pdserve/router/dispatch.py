@@ -24,6 +24,13 @@ has prefilled the prompt (`InstancePool.predict_prefill_s`), for `load_aware`.
 no token (a chat stream's role head) are held back until then, because D may send them
 before it has the KV. The client gets nothing, not even the status line, before it.
 
+Ejection: every leg is raced against its instance's ejection by the health monitor
+(`pdserve.router.ejection`): P's answer, D's first token and each chunk of D's stream. An
+ejected instance's leg ends with a 502 naming it (an SSE `error` event once D's stream has
+started; a stream only after `ejected_stream_grace_s` of silence) and the other leg is
+cancelled as on any leg failure, so a frozen instance costs its requests one ejection
+delay, not `request_timeout_s`.
+
 Both legs carry the client's `X-Request-Id` (or a new one) unchanged: P and D are separate
 engines and pair the transfer by `transfer_id`, so the shared id only joins their logs.
 
@@ -41,9 +48,9 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 import httpx
@@ -52,7 +59,8 @@ from fastapi.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from pdserve.router.config import RouterConfig
-from pdserve.router.health import Instance, InstancePool, Leg, Role
+from pdserve.router.ejection import InstanceEjected, race_ejection, until_ejected
+from pdserve.router.health import EJECTED_REASON, Instance, InstancePool, Leg, Role
 from pdserve.router.load_model import Demand
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.prompt_size import (
@@ -67,6 +75,7 @@ from pdserve.server.errors import APIError
 log = logging.getLogger(__name__)
 
 Params = dict[str, Any]
+T = TypeVar("T")
 
 # P's prefill-done time (unix seconds) for clients measuring the handoff (docs/router.md).
 PREFILL_DONE_HEADER = "X-PDServe-Prefill-Done"
@@ -208,7 +217,7 @@ class Dispatcher:
         """A short prompt: one plain request to a decode instance, which prefills it."""
         d, leg = self._acquire("decode", replace(demand, local_prefill=True))
         try:
-            start = await self._open_decode(d, call, None)
+            start = await self._on_instance("decode", d, leg, self._open_decode(d, call, None))
         except BaseException:
             self._pool.release(d, leg)
             raise
@@ -224,7 +233,7 @@ class Dispatcher:
         # its X-Request-Id would collide with the previous request's hold on P.
         params = {"do_remote_decode": True, "transfer_mode": "pull", "transfer_id": _new_tid()}
         try:
-            result = await self._prefill(p, call, params)
+            result = await self._on_instance("prefill", p, p_leg, self._prefill(p, call, params))
         finally:
             self._pool.release(p, p_leg)
         if result.params is None:
@@ -233,7 +242,8 @@ class Dispatcher:
             )
         d, d_leg = self._acquire("decode", demand)
         try:
-            start = await self._open_decode(d, call, pull_decode_params(result.params))
+            opening = self._open_decode(d, call, pull_decode_params(result.params))
+            start = await self._on_instance("decode", d, d_leg, opening)
         except BaseException:
             self._pool.release(d, d_leg)
             raise
@@ -251,9 +261,13 @@ class Dispatcher:
             raise _no_instance("decode")
         d, d_leg = acquired
         p_params, d_params = push_params(p, _new_tid())
-        p_task = asyncio.create_task(self._prefill(p, call, p_params))
+        p_task = asyncio.create_task(
+            self._on_instance("prefill", p, p_leg, self._prefill(p, call, p_params))
+        )
         p_task.add_done_callback(lambda _: self._pool.release(p, p_leg))
-        d_task = asyncio.create_task(self._open_decode(d, call, d_params))
+        d_task = asyncio.create_task(
+            self._on_instance("decode", d, d_leg, self._open_decode(d, call, d_params))
+        )
         try:
             start = await self._first_token_or_prefill_error(p_task, d_task)
         except BaseException:
@@ -301,6 +315,14 @@ class Dispatcher:
         if acquired is None:
             raise _no_instance(role, need_push_info)
         return acquired
+
+    async def _on_instance(self, role: Role, inst: Instance, leg: Leg, work: Awaitable[T]) -> T:
+        """`work` (a step of `leg` on `inst`), ended with a leg error if `inst` is ejected
+        first; `work` is then cancelled, which closes its upstream request."""
+        try:
+            return await until_ejected(work, leg.ejected)
+        except InstanceEjected as exc:
+            raise self._leg_failure(role, inst, exc) from None
 
     def _headers(self, call: Call) -> dict[str, str]:
         headers = {"X-Request-Id": call.request_id, "Content-Type": "application/json"}
@@ -388,7 +410,8 @@ class Dispatcher:
             self._pool,
             self._metrics,
             mode,
-            lambda exc: self._transport_error("decode", d, exc),
+            lambda exc: self._leg_failure("decode", d, exc),
+            self._config.ejected_stream_grace_s,
             d,
             leg,
             start,
@@ -413,6 +436,14 @@ class Dispatcher:
     def _leg_error(self, leg: str, inst: Instance, reason: str, status: int, what: str) -> APIError:
         self._metrics.leg_errors.labels(leg, reason).inc()
         return APIError(status, f"{leg} instance {inst.url} {what}")
+
+    def _leg_failure(
+        self, leg: str, inst: Instance, exc: httpx.HTTPError | InstanceEjected
+    ) -> APIError:
+        """The error for a leg that failed on the wire or whose instance was ejected."""
+        if isinstance(exc, InstanceEjected):
+            return self._leg_error(leg, inst, "ejected", 502, EJECTED_REASON)
+        return self._transport_error(leg, inst, exc)
 
     def _transport_error(self, leg: str, inst: Instance, exc: httpx.HTTPError) -> APIError:
         if isinstance(exc, httpx.TimeoutException):
@@ -452,7 +483,8 @@ class DecodeRelay:
         pool: InstancePool,
         metrics: RouterMetrics,
         mode: str,
-        on_error: Callable[[httpx.HTTPError], APIError],
+        on_error: Callable[[httpx.HTTPError | InstanceEjected], APIError],
+        ejected_grace_s: float,
         d: Instance,
         leg: Leg,
         start: DecodeStart,
@@ -463,6 +495,7 @@ class DecodeRelay:
         self._metrics = metrics
         self._mode = mode
         self._on_error = on_error
+        self._ejected_grace_s = ejected_grace_s
         self._d = d
         self._start = start
         self._p_task = p_task
@@ -471,23 +504,30 @@ class DecodeRelay:
         self.prefill_done_reported = False  # set by the dispatcher when it sent the header
 
     async def chunks(self) -> AsyncGenerator[bytes, None]:
-        """D's chunks as they come; an upstream failure mid-stream ends the stream with an
-        SSE `error` event (the status line has already gone out)."""
+        """D's chunks as they come; an upstream failure, or D's ejection followed by
+        `ejected_grace_s` of silence, ends the stream with an SSE `error` event (the status
+        line has already gone out)."""
         outcome = "client_disconnect"  # what a cancellation or early close means
+        ejected = asyncio.ensure_future(self._leg.ejected.wait())
         try:
             if out := self._annotated(self._start.first_chunk):
                 yield out
             assert self._start.chunks is not None
-            async for chunk in self._start.chunks:
+            while (
+                chunk := await race_ejection(
+                    _next_chunk(self._start.chunks), ejected, self._ejected_grace_s
+                )
+            ) is not None:
                 if out := self._annotated(chunk):
                     yield out
             if self._annotator is not None and (out := self._annotator.flush()):
                 yield out
             outcome = str(self._start.response.status_code)
-        except httpx.HTTPError as exc:
-            outcome = "stream_error"
+        except (httpx.HTTPError, InstanceEjected) as exc:
+            outcome = "ejected" if isinstance(exc, InstanceEjected) else "stream_error"
             yield b"data: " + msgspec.json.encode(self._on_error(exc).body()) + b"\n\n"
         finally:
+            ejected.cancel()
             await self.close(outcome)
 
     def _annotated(self, chunk: bytes) -> bytes:
@@ -551,6 +591,11 @@ async def _read_until_started(chunks: AsyncIterator[bytes]) -> bytes:
         if detector.feed(chunk):
             break
     return b"".join(held)
+
+
+async def _next_chunk(chunks: AsyncIterator[bytes]) -> bytes | None:
+    """The next chunk, or None at the end of the stream."""
+    return await anext(chunks, None)
 
 
 def _prefill_done_time(p_task: asyncio.Task[PrefillResult]) -> float | None:

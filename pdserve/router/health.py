@@ -15,6 +15,12 @@ Legs: `InstancePool.acquire` opens a `Leg` on the chosen instance and `release` 
 exactly once (the dispatcher's ownership rules). An instance's outstanding legs and tokens
 are its open legs; those opened after its last `/load` was requested (less
 `LEG_SETTLE_S`) are "unreported" and the load model adds them to the report.
+
+Ejection signal: each admission gives the instance a fresh `ejected` event, which the
+monitor sets when it ejects the instance. A leg keeps the event of the admission it was
+opened under (`Leg.ejected`), so the dispatcher can end a leg stuck on an instance that
+stopped answering at once instead of at `request_timeout_s`; a later re-admission does not
+revive it.
 """
 
 from __future__ import annotations
@@ -40,6 +46,9 @@ log = logging.getLogger(__name__)
 # How long a new leg may take to show up in an instance's load report.
 LEG_SETTLE_S = 0.1
 
+# Why the dispatcher ends a leg whose instance the monitor ejected (client-facing text).
+EJECTED_REASON = "ejected: not answering health checks"
+
 
 @dataclass(frozen=True, eq=False)
 class Leg:
@@ -49,6 +58,8 @@ class Leg:
     prompt_tokens: int  # tokens it counts as prompt work (P, or D prefilling locally)
     decode_tokens: int  # tokens it counts as decode work (D)
     opened: float  # time.monotonic()
+    # Set when the instance is ejected (the event of the admission the leg was opened under).
+    ejected: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
     def tokens(self) -> int:
@@ -68,6 +79,8 @@ class Instance:
     load_requested: float = 0.0  # time.monotonic() the poll that gave `load` was sent
     info: InstanceInfo | None = None
     info_unsupported: bool = False  # /kv/info answered 404 (e.g. a vLLM instance)
+    # Fresh at each admission, set at ejection (see the module docstring).
+    ejected: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
     def outstanding(self) -> int:
@@ -143,7 +156,7 @@ class InstancePool:
         prefills = role == "prefill" or demand.local_prefill
         prompt = demand.prompt_tokens if prefills else 0
         decode = demand.decode_tokens if role == "decode" else 0
-        leg = Leg(next(self._leg_ids), prompt, decode, time.monotonic())
+        leg = Leg(next(self._leg_ids), prompt, decode, time.monotonic(), chosen.ejected)
         chosen.legs[leg.id] = leg
         return chosen, leg
 
@@ -215,6 +228,7 @@ class HealthMonitor:
             inst.failures = 0
             if not inst.admitted:
                 log.info("%s instance %s is healthy: admitted", inst.role, inst.url)
+                inst.ejected = asyncio.Event()
             inst.admitted = True
         else:
             inst.failures += 1
@@ -226,6 +240,7 @@ class HealthMonitor:
                     inst.failures,
                 )
                 inst.admitted = False
+                inst.ejected.set()  # ends the legs still open on it (the dispatcher)
                 inst.info, inst.info_unsupported, inst.load = None, False, None
         if inst.admitted and self._wants_info(inst):
             await self._fetch_info(inst)

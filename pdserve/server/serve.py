@@ -206,10 +206,15 @@ def main(args: argparse.Namespace) -> int:
     from pdserve.transfer.factory import make_connector_factory
     from pdserve.transfer.transport import BackendUnavailableError
 
+    try:
+        connector_factory = make_connector_factory(args)
+    except ValueError as exc:  # a P/D flag combination that cannot work (message says why)
+        log.error("%s", exc)
+        return 2
     with sock:
         log.info("loading %s", engine_cfg.model.model)
         try:
-            engine = LLMEngine.from_config(engine_cfg, make_connector_factory(args))
+            engine = LLMEngine.from_config(engine_cfg, connector_factory)
         except BackendUnavailableError as exc:
             log.error("%s", exc)
             return 2

@@ -186,7 +186,13 @@ class KVConnector:
         self._watched: frozenset[Address] = frozenset()  # peers we wait on (engine thread)
         self._pongs: dict[Address, float] = {}
         self._closing = threading.Event()
-        self.side = SideChannel(self._on_message, cfg.side_host, cfg.side_port, cfg.cluster_token)
+        self.side = SideChannel(
+            self._on_message,
+            cfg.side_host,
+            cfg.side_port,
+            cfg.cluster_token,
+            advertise_host=cfg.side_advertise_host,
+        )
         self._heartbeat = threading.Thread(
             target=self._heartbeat_loop, name="pdserve-heartbeat", daemon=True
         )

@@ -58,6 +58,13 @@ def add_transfer_arguments(parser: argparse.ArgumentParser) -> None:
         help="address the side channel and transport listen on (default: %(default)s)",
     )
     g.add_argument(
+        "--kv-advertise-host",
+        default=None,
+        help="address peers are told to reach the side channel and transport at (in "
+        "/kv/info, pull params, the transport card); required when --kv-host is a wildcard "
+        "such as 0.0.0.0 (default: --kv-host)",
+    )
+    g.add_argument(
         "--side-channel-port",
         type=int,
         default=0,
@@ -96,6 +103,16 @@ def add_transfer_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--fault-transfer-every", type=int, default=0, help=argparse.SUPPRESS)
 
 
+def kv_advertise_host(args: argparse.Namespace) -> str:
+    """The address peers are told for this instance's side channel and transport; raises
+    ValueError (at start-up, before the model loads) for a wildcard `--kv-host` without
+    `--kv-advertise-host`."""
+    # Imported here: the transport package pulls numpy, and `serve --help` should not.
+    from pdserve.transfer.transport.handshake import advertised_host
+
+    return advertised_host(args.kv_host, args.kv_advertise_host)
+
+
 def connector_config(args: argparse.Namespace) -> ConnectorConfig:
     return ConnectorConfig(
         role=args.role,
@@ -103,6 +120,7 @@ def connector_config(args: argparse.Namespace) -> ConnectorConfig:
         engine_id=args.engine_id or f"{args.role}-{secrets.token_hex(4)}",
         side_host=args.kv_host,
         side_port=args.side_channel_port,
+        side_advertise_host=kv_advertise_host(args),
         cluster_token=args.cluster_token,
         lease_s=args.kv_lease,
         recv_timeout_s=args.kv_recv_timeout,
@@ -117,6 +135,7 @@ def transport_config(args: argparse.Namespace) -> TransportConfig:
     return TransportConfig(
         kind=args.transport,
         host=args.kv_host,
+        advertise_host=kv_advertise_host(args),
         cluster_token=args.cluster_token,
         timeout_s=args.transfer_timeout,
     )

@@ -1,6 +1,7 @@
 """The side channel: small authenticated control messages between instances, over ZMQ.
 
-Each instance binds one PULL socket (127.0.0.1 unless told otherwise) and sends with
+Each instance binds one PULL socket (127.0.0.1 unless told otherwise; `address`, what
+peers are told to send to, is `advertise_host` when given) and sends with
 one PUSH socket per peer address. Messages are one-way; a request/reply pair (the
 handshake) is correlated by nonce. Threads: one receiver thread owns the PULL socket
 and calls `handler(msg)` for every valid message (the handler must not block: it
@@ -88,6 +89,7 @@ class SideChannel:
         port: int = 0,
         token: str | None = None,
         max_age_s: float = 120.0,
+        advertise_host: str | None = None,
     ) -> None:
         self._ctx = zmq.Context()
         self._pull = self._ctx.socket(zmq.PULL)
@@ -96,7 +98,9 @@ class SideChannel:
             self._pull.bind(f"tcp://{host}:{port}")
         else:
             port = self._pull.bind_to_random_port(f"tcp://{host}")
-        self.address: Address = (host, port)
+        # What peers are told (in /kv/info, pull params, reply_to): a wildcard bind address
+        # would send them to their own host. `pdserve serve` refuses that combination.
+        self.address: Address = (advertise_host or host, port)
         self._handler = handler
         self._key = token.encode() if token else None
         self._replays = ReplayGuard(max_age_s)

@@ -212,14 +212,26 @@ def answer(sock: socket.socket, me: Me, admit: Admit, timeout_s: float) -> Auth:
     return msg
 
 
-def advertised_host(host: str) -> str:
-    """The address peers should dial when we listen on `host` (wildcards need a real one)."""
-    if host not in ("", "0.0.0.0", "::"):
-        return host
-    try:
-        return socket.gethostbyname(socket.gethostname())
-    except OSError:
-        return "127.0.0.1"
+WILDCARD_HOSTS = ("", "0.0.0.0", "::")
+
+
+def advertised_host(host: str, advertise: str | None = None) -> str:
+    """The address peers are told to dial when we listen on `host`: `advertise` when given,
+    else `host` itself. A wildcard `host` without `advertise` is refused (ValueError): no
+    guess (the hostname's address is often 127.0.1.1) reliably reaches us from a peer."""
+    if advertise:
+        return advertise
+    if host in WILDCARD_HOSTS:
+        raise ValueError(wildcard_message(host))
+    return host
+
+
+def wildcard_message(host: str) -> str:
+    """Why a wildcard KV bind address cannot be advertised, and what to do."""
+    return (
+        f"--kv-host {host or repr(host)} binds every interface, but peers need one address to "
+        "dial: pass --kv-advertise-host ADDR (this instance's address as its peers reach it)"
+    )
 
 
 class Listener:

@@ -114,7 +114,7 @@ class NixlTransport:
         self._agent.register_memory([(self._scratch.ctypes.data, 8, 0, "")], "DRAM")
         self._peers: PeerTable[NixlPeer] = PeerTable(self._id)
         self._closed = False
-        self._host = advertised_host(config.host)
+        self._host = advertised_host(config.host, config.advertise_host)
         self._listener = Listener(
             tcp_server(config.host, config.port), self._on_accept, f"nixl-{engine_id}"
         )

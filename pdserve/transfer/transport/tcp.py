@@ -77,7 +77,7 @@ class TcpTransport:
         self._peers: PeerTable[TcpLink] = PeerTable(self._id)
         self._attach_lock = threading.Lock()
         self._closed = False
-        self._host = advertised_host(config.host)
+        self._host = advertised_host(config.host, config.advertise_host)
         name = f"tcp-{engine_id}"
         self._listeners = [Listener(tcp_server(config.host, config.port), self._on_accept, name)]
         self._unix_path = self._host_id = None
