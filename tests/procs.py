@@ -18,6 +18,7 @@ thread, so call `start()` from a thread that can reach `host` (tests/test_netns_
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import socket
@@ -28,6 +29,7 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 import httpx
 
@@ -161,3 +163,30 @@ class PdserveProcess:
     def __repr__(self) -> str:
         pid = self._proc.pid if self._proc else None
         return f"PdserveProcess(pdserve {' '.join(self.args)}, pid={pid})"
+
+
+def greedy_body(ids: list[int], max_tokens: int) -> dict[str, Any]:
+    """A completion request for the oracle: greedy, exactly `max_tokens`, token ids back."""
+    return {
+        "prompt": ids,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
+
+
+async def complete_all(
+    url: str, batch: list[list[int]], max_tokens: int, concurrency: int = 6, timeout: float = 300
+) -> list[list[int]]:
+    """Greedy token ids of every prompt of `batch` from `url`, `concurrency` at a time."""
+    sem = asyncio.Semaphore(concurrency)
+    async with httpx.AsyncClient(timeout=timeout, trust_env=False) as client:
+
+        async def one(ids: list[int]) -> list[int]:
+            async with sem:
+                r = await client.post(f"{url}/v1/completions", json=greedy_body(ids, max_tokens))
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["token_ids"]
+
+        return await asyncio.gather(*(one(p) for p in batch))

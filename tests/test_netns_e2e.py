@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 import httpx
+import procs
 import pytest
 from procs import PdserveProcess
 from test_pd_e2e import nixl_available
@@ -154,23 +155,7 @@ def prompts() -> list[list[int]]:
 
 async def complete_all(url: str) -> list[list[int]]:
     """Greedy token ids of every prompt, three requests at a time."""
-    sem = asyncio.Semaphore(3)
-    async with httpx.AsyncClient(timeout=120, trust_env=False) as client:
-
-        async def one(ids: list[int]) -> list[int]:
-            body = {
-                "prompt": ids,
-                "max_tokens": MAX_TOKENS,
-                "temperature": 0,
-                "ignore_eos": True,
-                "return_token_ids": True,
-            }
-            async with sem:
-                r = await client.post(f"{url}/v1/completions", json=body)
-            assert r.status_code == 200, r.text
-            return r.json()["choices"][0]["token_ids"]
-
-        return await asyncio.gather(*(one(p) for p in prompts()))
+    return await procs.complete_all(url, prompts(), MAX_TOKENS, concurrency=3, timeout=120)
 
 
 @pytest.fixture(scope="module")

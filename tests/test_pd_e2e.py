@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import httpx
+import procs
 import pytest
 
 from pdserve.launcher import Cluster, ClusterConfig
@@ -48,24 +49,8 @@ def prompts() -> list[list[int]]:
     return [[rng.randrange(3, 250) for _ in range(n)] for n in lengths]
 
 
-async def complete_all(url: str, batch: list[list[int]], concurrency: int = 6) -> list[list[int]]:
-    sem = asyncio.Semaphore(concurrency)
-    async with httpx.AsyncClient(timeout=300) as client:
-
-        async def one(ids: list[int]) -> list[int]:
-            body = {
-                "prompt": ids,
-                "max_tokens": MAX_TOKENS,
-                "temperature": 0,
-                "ignore_eos": True,
-                "return_token_ids": True,
-            }
-            async with sem:
-                r = await client.post(f"{url}/v1/completions", json=body)
-            assert r.status_code == 200, r.text
-            return r.json()["choices"][0]["token_ids"]
-
-        return await asyncio.gather(*(one(p) for p in batch))
+async def complete_all(url: str, batch: list[list[int]]) -> list[list[int]]:
+    return await procs.complete_all(url, batch, MAX_TOKENS)
 
 
 def instance_urls(cluster: Cluster) -> list[str]:

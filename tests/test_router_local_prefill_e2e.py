@@ -10,7 +10,7 @@ from contextlib import ExitStack
 
 import httpx
 import pytest
-from procs import PdserveProcess, free_port
+from procs import PdserveProcess, free_port, greedy_body
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -25,14 +25,7 @@ def _prompts() -> list[list[int]]:
 
 
 def _complete(url: str, ids: list[int]) -> list[int]:
-    body = {
-        "prompt": ids,
-        "max_tokens": MAX_TOKENS,
-        "temperature": 0,
-        "ignore_eos": True,
-        "return_token_ids": True,
-    }
-    r = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+    r = httpx.post(f"{url}/v1/completions", json=greedy_body(ids, MAX_TOKENS), timeout=120)
     assert r.status_code == 200, r.text
     return r.json()["choices"][0]["token_ids"]
 

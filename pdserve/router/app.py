@@ -32,7 +32,11 @@ from pdserve.router.dispatch import Call, Dispatcher, cancel_and_wait
 from pdserve.router.health import HealthMonitor, Instance, InstancePool
 from pdserve.router.metrics import RouterMetrics
 from pdserve.server.body_limit import BodySizeLimit
-from pdserve.server.errors import APIError, bad_request, install_error_handlers
+from pdserve.server.errors import (
+    APIError,
+    install_error_handlers,
+    read_json_object,
+)
 from pdserve.server.request_ids import request_id_of
 
 CLIENT_CLOSED_REQUEST = 499  # nginx's code; nobody reads it, it only reaches the access log
@@ -135,7 +139,7 @@ def _api_key_checker(api_key: str | None) -> Any:
 
 
 async def _generate(request: Request, path: str) -> Response:
-    body = await _read_json_object(request)
+    body = await read_json_object(request)
     call = Call(
         path=path,
         body=body,
@@ -145,16 +149,6 @@ async def _generate(request: Request, path: str) -> Response:
     )
     response = await until_disconnect(request, _state(request).dispatcher.dispatch(call))
     return response or Response(status_code=CLIENT_CLOSED_REQUEST)
-
-
-async def _read_json_object(request: Request) -> dict[str, Any]:
-    try:
-        body = msgspec.json.decode(await request.body())
-    except msgspec.DecodeError as exc:
-        raise bad_request(f"The request body is not valid JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise bad_request("The request body must be a JSON object")
-    return body
 
 
 async def until_disconnect(request: Request, work: Awaitable[Response]) -> Response | None:

@@ -12,7 +12,7 @@ from fastapi import APIRouter, Request, Response
 from fastapi.params import Depends
 
 from pdserve.engine.async_engine import AsyncEngine
-from pdserve.server.errors import bad_request
+from pdserve.server.errors import bad_request, read_json_object
 from pdserve.server.load_report import LoadMeter, TokenCount
 from pdserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from pdserve.server.serving import OpenAIServing
@@ -56,7 +56,7 @@ def kv_routes(
 
         @router.post("/tokenize", dependencies=list(auth))
         async def tokenize(request: Request) -> Response:
-            ids = _prompt_ids(serving, await _json_object(request))
+            ids = _prompt_ids(serving, await read_json_object(request))
             body = msgspec.json.encode(TokenCount(count=len(ids)))
             return Response(body, media_type="application/json")
 
@@ -71,13 +71,3 @@ def _prompt_ids(serving: OpenAIServing, body: dict[str, Any]) -> list[int]:
         return serving.completion_prompt(CompletionRequest.model_validate(body))
     except ValueError as exc:  # pydantic's ValidationError
         raise bad_request(f"Not a completion or chat request: {exc}") from None
-
-
-async def _json_object(request: Request) -> dict[str, Any]:
-    try:
-        body = msgspec.json.decode(await request.body())
-    except msgspec.DecodeError as exc:
-        raise bad_request(f"The request body is not valid JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise bad_request("The request body must be a JSON object")
-    return body
