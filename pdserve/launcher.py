@@ -13,8 +13,10 @@ If start-up fails half-way, what was started is stopped before the error propaga
 Cores: when the launcher may use at least as many cores as there are instances, each
 instance gets its own equal share (2 cores, 1P1D: P on core 0, D on core 1), pinned with
 `sched_setaffinity` on the child's PID right after it starts (before the interpreter has
-made any thread, so every later thread inherits it) and told `--threads` to match; the
-router stays unpinned. `check_pinning` verifies every thread of every instance afterwards.
+made any thread, so every later thread inherits it) and told `--threads` to match. The
+router shares the prefill instances' cores: left unpinned, the scheduler moves it onto the
+decode core whenever P is busy, which measurably slows decoding (docs/benchmarks.md,
+"Decode TPOT with KV transfers in flight"). `check_pinning` verifies every thread afterwards.
 
 Monolithic (`--monolithic`): one `--role both` instance and no router; `router_url` is then
 the instance's URL, so a benchmark reaches the floor through the same API.
@@ -390,7 +392,16 @@ class Cluster:
         if c.local_prefill_below is not None:
             cmd += ["--local-prefill-below", str(c.local_prefill_below)]
         url = f"http://{_connect_host(c.host)}:{port}"
-        return self._spawn("router", "router", cmd, self._child_env(threads=None), url, None)
+        cores = self._prefill_cores()
+        proc = self._spawn("router", "router", cmd, self._child_env(threads=None), url, cores)
+        if cores is not None:
+            os.sched_setaffinity(proc.pid, cores)
+        return proc
+
+    def _prefill_cores(self) -> tuple[int, ...] | None:
+        """The cores of the pinned prefill instances (the router's), or None if unpinned."""
+        cores = [c for p in self.instances if p.role == "prefill" for c in (p.cores or ())]
+        return tuple(sorted(set(cores))) or None
 
     def write_token_file(self) -> Path:
         """The cluster token in `<log dir>/cluster-token`, readable by the owner only."""

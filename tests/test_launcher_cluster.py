@@ -123,7 +123,9 @@ def test_cluster_starts_serves_and_stops_processes_by_pid(tmp_path: Path) -> Non
             assert os.sched_getaffinity(d.pid) == {CORES[1]}
             assert "--threads 1" in p.log_path.read_text().splitlines()[0]
             assert cluster.check_pinning() == []
-            assert cluster.router is not None and cluster.router.cores is None
+            # The router shares P's core, so that D's core is D's alone.
+            assert cluster.router is not None and cluster.router.cores == (CORES[0],)
+            assert os.sched_getaffinity(cluster.router.pid) == {CORES[0]}
     assert all(_gone(p.popen) for p in procs)
     assert {f.name for f in tmp_path.iterdir()} == {"prefill-0.log", "decode-0.log", "router.log"}
 
