@@ -149,7 +149,12 @@ def ok_now(url: str, n: int = 3) -> list[str]:
 
 @pytest.mark.parametrize("mode", ["pull", "push"])
 def test_kill_prefill_mid_flight_then_restart_with_new_incarnation(mode) -> None:
-    with Trio(mode, p_args=("--push-finish-delay", "0.5") if mode == "push" else ()) as t:
+    # P's steps are slowed so the kill at 0.3 s always finds prefills still running: on a
+    # fast machine all twelve could otherwise be prefilled (and read) before it.
+    p_args = ("--fault-step-delay-ms", "150")
+    if mode == "push":
+        p_args += ("--push-finish-delay", "0.5")
+    with Trio(mode, p_args=p_args) as t:
         old = httpx.get(f"{t.url('p')}/kv/info").json()["incarnation"]
         results = asyncio.run(storm(t.url("router"), 12, kill=lambda: t.kill("p")))
         assert any(r != "ok" for r in results), results  # the kill hit requests in flight
@@ -164,7 +169,8 @@ def test_kill_prefill_mid_flight_then_restart_with_new_incarnation(mode) -> None
 
 @pytest.mark.parametrize("mode", ["pull", "push"])
 def test_kill_decode_mid_flight_then_restart(mode) -> None:
-    with Trio(mode, p_args=("--kv-lease", "3")) as t:
+    # D's steps are slowed so that no stream of 24 tokens can finish before the kill.
+    with Trio(mode, p_args=("--kv-lease", "3"), d_args=("--fault-step-delay-ms", "20")) as t:
         results = asyncio.run(storm(t.url("router"), 12, kill=lambda: t.kill("d")))
         assert any(r != "ok" for r in results), results
         t.wait_free(("p",))  # holds for the dead D: write errors or lease expiry

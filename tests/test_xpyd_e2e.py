@@ -16,6 +16,7 @@ import os
 import signal
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -126,13 +127,18 @@ def test_frozen_prefill_is_ejected_requests_on_it_fail_cleanly_and_it_comes_back
     p0, p1 = _of_role(cluster, "prefill")
     _serve_ok(cluster, 2)
     with frozen(p0), httpx.Client(timeout=CLIENT_TIMEOUT_S) as client:
-        # Sent before the router has noticed: round robin puts one of the two on p0.
-        statuses = []
-        for _ in range(2):
-            r = client.post(f"{cluster.router_url}/v1/completions", json=_body(40, 4))
+        # Both sent at once, before the router can have noticed (ejection takes at least
+        # two failed probes): round robin puts one of the two on p0. Sent one after the
+        # other, the second could leave after the ejection on a slow machine.
+        def post(_: int) -> httpx.Response:
+            return client.post(f"{cluster.router_url}/v1/completions", json=_body(40, 4))
+
+        with ThreadPoolExecutor(2) as pool:
+            responses = list(pool.map(post, range(2)))
+        for r in responses:
             if r.status_code != 200:
                 _assert_clear_error(r, p0)
-            statuses.append(r.status_code)
+        statuses = [r.status_code for r in responses]
         assert statuses.count(200) < 2, "neither request reached the frozen prefill"
         wait_for(lambda: not _admitted(cluster, p0), what="frozen prefill ejected")
         _serve_ok(cluster, 4)  # all on p1 now
