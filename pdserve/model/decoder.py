@@ -127,7 +127,13 @@ class Decoder(nn.Module):
         super().__init__()
         self.spec = spec
         with torch.device("meta"):
-            self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+            # `_weight` skips the random init: on meta it would import torch._dynamo (~2 s
+            # of every instance's start-up) for values the loader overwrites anyway.
+            self.embed_tokens = nn.Embedding(
+                spec.vocab_size,
+                spec.hidden_size,
+                _weight=torch.empty(spec.vocab_size, spec.hidden_size),
+            )
             self.layers = nn.ModuleList(DecoderLayer(spec) for _ in range(spec.num_layers))
             self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
             if not spec.tie_word_embeddings:
