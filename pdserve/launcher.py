@@ -81,7 +81,7 @@ class ClusterConfig:
     api_key: str | None = None  # given to every child as PDSERVE_API_KEY
     cluster_token: str | None = None  # None: $PDSERVE_CLUSTER_TOKEN, else a random one
     request_timeout_s: float | None = None  # the router's; None: its default
-    local_prefill_below: int | None = None  # the router's; None: its default (off)
+    local_prefill_below: int | None = None  # the router's; None: its default (64)
     log_dir: Path | None = None  # None: a new temporary directory
     instance_args: tuple[str, ...] = ()  # appended to every instance's command line
     pin_cores: bool = True
@@ -515,7 +515,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         metavar="N",
         help="the router prefills prompts under N tokens on the decode instance, skipping the "
-        "transfer (default: the router's, off)",
+        "transfer (0: never; default: the router's, 64)",
     )
     parser.add_argument(
         "--api-key",

@@ -207,6 +207,7 @@ def netns_cluster(veth: VethPair, mode: str, transport: str) -> Iterator[NetnsCl
     p = instance("prefill", veth.ns_p, P_ADDR, P_PORT)
     d = instance("decode", veth.ns_d, D_ADDR, D_PORT)
     router_args = ["router", "--prefill", p.url, "--decode", d.url, "--kv-transfer", mode]
+    router_args += ["--local-prefill-below", "0"]  # short test prompts must cross the veth
     r = PdserveProcess(
         router_args, port=ROUTER_PORT, host=P_ADDR, prefix=("ip", "netns", "exec", veth.ns_p)
     )

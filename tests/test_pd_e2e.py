@@ -83,8 +83,13 @@ def expected(tmp_path_factory) -> list[list[int]]:
 
 
 def start(tmp_path: Path, mode: str, transport: str = "tcp", extra: tuple[str, ...] = ()):
+    # Local prefill off: every test prompt (1-17 tokens) must go through P and a transfer.
     cfg = ClusterConfig(
-        kv_transfer=mode, transport=transport, log_dir=tmp_path, instance_args=extra
+        kv_transfer=mode,
+        transport=transport,
+        log_dir=tmp_path,
+        instance_args=extra,
+        local_prefill_below=0,
     )
     return Cluster(cfg)
 

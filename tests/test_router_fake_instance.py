@@ -284,7 +284,13 @@ def running_router(
     from pdserve.router.config import RouterConfig
 
     wait_ready = config.pop("wait_ready", True)
-    defaults = {"health_interval_s": 0.05, "load_interval_s": 0.05, "request_timeout_s": 30.0}
+    # Local prefill off unless a test asks for it: these tests are about the P/D legs.
+    defaults = {
+        "health_interval_s": 0.05,
+        "load_interval_s": 0.05,
+        "request_timeout_s": 30.0,
+        "local_prefill_below": 0,
+    }
     cfg = RouterConfig(
         prefill_urls=tuple(f.url for f in prefill),
         decode_urls=tuple(f.url for f in decode),

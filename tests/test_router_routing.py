@@ -3,12 +3,17 @@ disaggregation), load_aware and least_tokens choices, the unreported-burst corre
 
 from __future__ import annotations
 
+import argparse
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 from test_router_fake_instance import FakeInstance, running_router, wait_for
+
+from pdserve.router.config import DEFAULT_LOCAL_PREFILL_BELOW
+from pdserve.router.prompt_size import BYTES_PER_TOKEN_CEILING
+from pdserve.router.serve import add_arguments, config_from_args
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -79,6 +84,30 @@ def test_no_tokenize_round_trip_when_local_prefill_is_off() -> None:
     assert (len(p.received), d.tokenized) == (1, 0)
 
 
+def test_no_tokenize_round_trip_for_a_text_far_above_the_threshold() -> None:
+    with (
+        FakeInstance("prefill") as p,
+        FakeInstance("decode") as d,
+        running_router([p], [d], "push", local_prefill_below=10) as r,
+    ):
+        long_text = "word " * (10 * BYTES_PER_TOKEN_CEILING // 5)  # 160 bytes: >= 10 x 16
+        assert _post(r, {"prompt": long_text, "max_tokens": 2}).status_code == 200
+        assert (len(p.received), d.tokenized) == (1, 0)  # disaggregated without asking D
+        assert _post(r, {"prompt": long_text[:-1], "max_tokens": 2}).status_code == 200
+        assert d.tokenized == 1  # one byte shorter: D is asked
+
+
+def test_local_prefill_is_on_by_default_from_the_command_line() -> None:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--prefill", "a:1", "--decode", "b:2", "--kv-transfer", "push"])
+    cfg = config_from_args(args)
+    assert cfg.local_prefill_below == DEFAULT_LOCAL_PREFILL_BELOW > 0
+    args = parser.parse_args(["--prefill", "a:1", "--decode", "b:2", "--kv-transfer", "push",
+                              "--local-prefill-below", "0"])  # fmt: skip
+    assert config_from_args(args).local_prefill_below == 0
+
+
 def _report(steps: float, running: int = 1, left: int = 10) -> dict[str, float]:
     return {
         "num_running": running,
@@ -116,8 +145,10 @@ def test_a_burst_between_polls_is_spread(policy: str) -> None:
         FakeInstance("decode", hold=hold, load=_report(steps=50.0, running=0, left=0)) as d1,
         # d2 reports a slightly lower rate: without the correction every leg goes to d1.
         FakeInstance("decode", hold=hold, load=_report(steps=49.0, running=0, left=0)) as d2,
-        # Reports stay as they are during the burst (one poll at start-up, the next late).
-        running_router([p], [d1, d2], "push", policy=policy, load_interval_s=3.0) as r,
+        # Reports stay as they are during the burst: one poll at start-up and none after it
+        # (with a short interval, a poll landing mid-burst on a slow machine would mark the
+        # legs sent so far as reported, and the fakes' reports do not count them).
+        running_router([p], [d1, d2], "push", policy=policy, load_interval_s=3600.0) as r,
         ThreadPoolExecutor(6) as pool,
     ):
         wait_for(lambda: all(i["load"] is not None for i in _router_instances(r)))

@@ -61,6 +61,7 @@ def cluster(request, tmp_path_factory) -> Iterator[Cluster]:
         policy="round_robin",
         pin_cores=False,
         instance_args=("--threads", "1"),
+        local_prefill_below=0,  # the 40-token test prompts must reach the prefill instances
         log_dir=tmp_path_factory.mktemp("xpyd"),
     )
     with Cluster(cfg) as c:

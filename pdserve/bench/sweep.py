@@ -183,6 +183,8 @@ def cluster_config(cfg: SweepConfig, mode: str, log_dir: Path) -> ClusterConfig:
         log_dir=log_dir,
         instance_args=cfg.instance_args,
         request_timeout_s=cfg.request_timeout_s,
+        # The sweep compares the transfer modes: every prompt is disaggregated, however short.
+        local_prefill_below=0,
     )
 
 

@@ -12,11 +12,14 @@ PolicyName = Literal["round_robin", "least_loaded", "least_tokens", "load_aware"
 POLICY_NAMES: tuple[PolicyName, ...] = ("round_robin", "least_loaded", "least_tokens", "load_aware")
 
 # Prompts shorter than this (in tokens) are prefilled on the decode instance itself
-# (conditional disaggregation; 0 disables). Off by default: the 1P1D crossover measured on
-# the 2-core CPU machine lies between 32 and 64 tokens (local prefill wins TTFT and costs
-# D's other requests little below it; from 128 tokens on it raises their TPOT 1.2-6.6x),
-# so `--local-prefill-below 64` is the measured setting (docs/router.md, "Local prefill").
-DEFAULT_LOCAL_PREFILL_BELOW = 0
+# (conditional disaggregation; 0 disables). Measured on the 2-core CPU machine, 1P1D push
+# (docs/benchmarks.md, "Conditional disaggregation"): up to 48 tokens local prefill wins
+# TTFT in both runs at equal or better TPOT for D's other streams; from 128 tokens it raises
+# their TPOT (1.3-1.9x, 6.6x at 1,024). The crossover lies between 32 and 64 tokens in one
+# run and between 64 and 128 in the other, so 64 is the default: it sits in both ranges.
+# Another cluster's crossover differs (a GPU's prefill is far cheaper per token): measure it
+# with `scripts/bench/routing/bench_routing.py crossover`.
+DEFAULT_LOCAL_PREFILL_BELOW = 64
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,8 @@ the client is committed to D's stream and P's answer only feeds metrics.
 Local prefill (conditional disaggregation): a prompt shorter than `local_prefill_below`
 tokens goes straight to a decode instance as a plain request (no `kv_transfer_params`),
 which prefills it itself: no P leg, no transfer. Its length must be known exactly (token
-ids, or the instance's `/tokenize`); when it is not, the request is disaggregated.
+ids, or the instance's `/tokenize`, not asked for a text far above the threshold); when it
+is not, the request is disaggregated. On by default below 64 tokens (`RouterConfig`).
 
 Choice: every leg's instance is picked by the policy with the request's `Demand` (prompt
 and decode tokens). In push mode the D leg's demand carries the predicted time until P
@@ -64,6 +65,7 @@ from pdserve.router.health import EJECTED_REASON, Instance, InstancePool, Leg, R
 from pdserve.router.load_model import Demand
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.prompt_size import (
+    certainly_not_below,
     decode_tokens,
     estimated_prompt_tokens,
     token_id_count,
@@ -197,7 +199,8 @@ class Dispatcher:
         cfg = self._config
         decode = decode_tokens(call.body, call.path, cfg.default_max_tokens)
         prompt = token_id_count(call.body)
-        if prompt is None and cfg.local_prefill_below > 0:
+        below = cfg.local_prefill_below
+        if prompt is None and below > 0 and not certainly_not_below(call.body, below):
             prompt = await self._tokenize(call)
         if prompt is None:
             return Demand(estimated_prompt_tokens(call.body), decode), False

@@ -4,7 +4,8 @@ The router needs the prompt length for conditional disaggregation (local prefill
 threshold) and for its load model. Exact when the client sent token ids (a completion
 `prompt` of ints, as `pdserve bench serve` does); for text the router asks an instance
 (`POST /tokenize`, one short round trip, only when the answer can change where the request
-goes), and otherwise estimates from the text's length (about 4 bytes per token, typical of
+goes, and not for a text so long that it cannot be under the threshold), and otherwise
+estimates from the text's length (about 4 bytes per token, typical of
 BPE vocabularies on English; only for the load model, never for the local-prefill choice).
 """
 
@@ -18,6 +19,10 @@ import msgspec
 from pdserve.server.load_report import TokenCount
 
 BYTES_PER_TOKEN_ESTIMATE = 4
+# A text this many bytes per token of the threshold is taken as long without asking an
+# instance: real vocabularies average 2-6 bytes per token on real text, so such a prompt
+# is far above the threshold. Misjudging one only disaggregates it, the safe side.
+BYTES_PER_TOKEN_CEILING = 16
 # `/v1/completions` without max_tokens generates 16 tokens (OpenAI's and pdserve's default).
 COMPLETION_DEFAULT_MAX_TOKENS = 16
 
@@ -37,9 +42,21 @@ def estimated_prompt_tokens(body: dict[str, Any]) -> int:
     exact = token_id_count(body)
     if exact is not None:
         return exact
+    return max(1, _text_bytes(body) // BYTES_PER_TOKEN_ESTIMATE)
+
+
+def certainly_not_below(body: dict[str, Any], threshold: int) -> bool:
+    """Whether the text prompt is so long that it cannot be under `threshold` tokens, so
+    the router need not ask an instance to count it (no `/tokenize` round trip)."""
+    return _text_bytes(body) >= threshold * BYTES_PER_TOKEN_CEILING
+
+
+def _text_bytes(body: dict[str, Any]) -> int:
+    """UTF-8 size of the prompt text (or of the chat messages' JSON)."""
     source = body.get("messages", body.get("prompt", ""))
-    text = source if isinstance(source, str) else msgspec.json.encode(source).decode()
-    return max(1, len(text.encode()) // BYTES_PER_TOKEN_ESTIMATE)
+    if isinstance(source, str):
+        return len(source.encode())
+    return len(msgspec.json.encode(source))
 
 
 def decode_tokens(body: dict[str, Any], path: str, default_chat: int) -> int:

@@ -181,6 +181,7 @@ def main() -> None:
     )
     ap.add_argument("--routing-num-prompts", type=int, default=30)
     ap.add_argument("--routing-rate", type=float, default=1.0)
+    ap.add_argument("--crossover-only", action="store_true", help="skip the routing half")
     a = ap.parse_args()
     OUT.mkdir(parents=True, exist_ok=True)
     # `timeout` sends SIGTERM: exit through `finally` so every child is stopped.
@@ -193,6 +194,8 @@ def main() -> None:
             # One locked run for both (the lock queue is long): the crossover with the
             # given args, then the routing comparison with its own (--routing-*) args.
             crossover(a)
+            if a.crossover_only:
+                return
             stop_all()
             PROCS.clear()
             a.num_prompts, a.rate, a.input_len = a.routing_num_prompts, a.routing_rate, 512
