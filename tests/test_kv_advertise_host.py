@@ -30,6 +30,7 @@ from pdserve.transfer.transport.base import PeerCard
 from pdserve.transfer.transport.handshake import advertised_host
 from pdserve.transfer.transport.tcp import TcpTransport
 from tests.pd_harness import Pair, engine_config
+from tests.procs import free_port
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -57,6 +58,17 @@ def test_advertise_host_reaches_both_configs() -> None:
     assert connector_config(args).side_advertise_host == "10.1.2.3"
     assert transport_config(args).advertise_host == "10.1.2.3"
     assert connector_config(args).side_host == transport_config(args).host == "0.0.0.0"
+
+
+def test_kv_port_fixes_the_transport_listener() -> None:
+    assert transport_config(_args()).port == 0  # default: a free port
+    port = free_port()
+    transport = TcpTransport(transport_config(_args("--kv-port", str(port))), "e")
+    try:
+        card = msgspec.msgpack.decode(transport.local_metadata(), type=PeerCard)
+        assert (card.host, card.port) == ("127.0.0.1", port)
+    finally:
+        transport.close()
 
 
 def test_without_the_flag_the_kv_host_is_advertised() -> None:

@@ -71,6 +71,14 @@ def add_transfer_arguments(parser: argparse.ArgumentParser) -> None:
         help="side-channel port (default: a free one, see GET /kv/info)",
     )
     g.add_argument(
+        "--kv-port",
+        type=int,
+        default=0,
+        help="port of the KV transport's listener: tcp's data connections, NIXL's metadata "
+        "exchange (UCX opens its own data connections); fix it when a firewall sits between "
+        "hosts (default: a free one)",
+    )
+    g.add_argument(
         "--kv-lease",
         type=float,
         default=30.0,
@@ -135,6 +143,7 @@ def transport_config(args: argparse.Namespace) -> TransportConfig:
     return TransportConfig(
         kind=args.transport,
         host=args.kv_host,
+        port=args.kv_port,
         advertise_host=kv_advertise_host(args),
         cluster_token=args.cluster_token,
         timeout_s=args.transfer_timeout,
