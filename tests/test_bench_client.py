@@ -153,12 +153,17 @@ def test_random_run_counts_and_timing(base_url: str) -> None:
     assert (r.completed, r.failed, r.num_prompts) == (8, 0, 8)
     assert r.output_lens == [6] * 8 and r.total_output_tokens == 48
     assert r.total_input_tokens == 8 * 7  # the server's usage.prompt_tokens wins
+    # Floors only where physics gives one: a token is never read before the server sent it.
+    # A gap between two reads has none (a client that stalls reads two chunks at once, and a
+    # late first read shortens what follows), so gaps get a floor only summed from the send.
+    last = TTFT_S + 5 * ITL_S  # the server sends the last token no earlier than this
     for ttft, itl, e2el in zip(r.ttfts, r.itls, r.latencies, strict=True):
         assert TTFT_S <= ttft < TTFT_S + SLACK_S
         assert len(itl) == 5
-        assert e2el >= TTFT_S + 5 * ITL_S  # the server sleeps at least this long
-    assert ITL_S * 0.5 <= r.median_itl_ms / 1000 < ITL_S + SLACK_S
-    assert r.mean_tpot_ms is not None and r.mean_tpot_ms >= ITL_S * 1000 * 0.99
+        assert ttft + sum(itl) >= last and e2el >= last
+    assert r.median_itl_ms / 1000 < ITL_S + SLACK_S
+    assert r.mean_tpot_ms is not None and r.mean_ttft_ms is not None
+    assert (r.mean_ttft_ms + 5 * r.mean_tpot_ms) / 1000 >= last * 0.999  # means of the above
     assert r.median_handoff_ms is not None and 0 < r.median_handoff_ms < (TTFT_S + SLACK_S) * 1000
     assert r.generated_texts[0] == "t0 t1 t2 t3 t4 t5 "
     assert r.errors == [None] * 8

@@ -55,6 +55,8 @@ class Trio:
                     self.mode,
                     "--request-timeout",
                     "60",
+                    "--local-prefill-below",  # every request goes through P (and a transfer)
+                    "0",
                 ],
                 port=self.ports["router"],
             )
@@ -80,7 +82,7 @@ class Trio:
     def blocks_used(self, name: str) -> int:
         return httpx.get(f"{self.url(name)}/load", timeout=5).json()["kv_blocks_used"]
 
-    def wait_free(self, names=("p", "d"), timeout: float = 20.0) -> None:
+    def wait_free(self, names=("p", "d"), timeout: float = 60.0) -> None:
         deadline = time.monotonic() + timeout
         used = {}
         while time.monotonic() < deadline:
@@ -100,6 +102,20 @@ class Trio:
                 pass
             time.sleep(0.25)
         raise AssertionError("router never became healthy again")
+
+    def wait_router_knows_p(self, incarnation: str, timeout: float = 60.0) -> None:
+        """Until the router has admitted P again and, in push mode (where D's params carry
+        P's identity as the router last read it), has read P's new incarnation."""
+        deadline = time.monotonic() + timeout
+        row: dict = {}
+        while time.monotonic() < deadline:
+            rows = httpx.get(f"{self.url('router')}/router/instances", timeout=5).json()
+            row = next(r for r in rows if r["url"] == self.url("p"))
+            seen = (row["info"] or {}).get("incarnation")
+            if row["admitted"] and (self.mode == "pull" or seen == incarnation):
+                return
+            time.sleep(0.1)
+        raise AssertionError(f"the router never took up P's restart: {row}")
 
 
 def body(n: int, max_tokens: int = 24, stream: bool = True, seed: int = 0) -> dict:
@@ -160,9 +176,11 @@ def test_kill_prefill_mid_flight_then_restart_with_new_incarnation(mode) -> None
         assert any(r != "ok" for r in results), results  # the kill hit requests in flight
         t.wait_free(("d",))
         t.start("p")  # same ports, new incarnation: D must not use the old metadata
-        assert httpx.get(f"{t.url('p')}/kv/info").json()["incarnation"] != old
-        t.wait_router_healthy()
-        time.sleep(1.5)  # the router's health round refreshes P's identity
+        new = httpx.get(f"{t.url('p')}/kv/info").json()["incarnation"]
+        assert new != old
+        # A health round refreshes the router's view of P (push: the identity it gives D);
+        # waited for, not slept on: a round can take seconds on a loaded machine.
+        t.wait_router_knows_p(new)
         assert ok_now(t.url("router")) == ["ok"] * 3
         t.wait_free()
 
@@ -197,7 +215,9 @@ def test_injected_transfer_errors_fail_only_their_requests(mode) -> None:
 @pytest.mark.parametrize("mode", ["pull", "push"])
 def test_router_killed_mid_stream_then_restarted(mode) -> None:
     # Pull: prompts P finished for a router that died are held until their lease ends.
-    with Trio(mode, p_args=("--kv-lease", "3")) as t:
+    # D's steps are slowed so that no reply of 400 tokens can end before the kill at 0.3 s
+    # (at least 4 s of steps), however fast the machine.
+    with Trio(mode, p_args=("--kv-lease", "3"), d_args=("--fault-step-delay-ms", "10")) as t:
         # Long replies, so that streams are still open when the router dies.
         kill = lambda: t.kill("router")  # noqa: E731
         results = asyncio.run(storm(t.url("router"), 8, kill=kill, max_tokens=400))
@@ -241,7 +261,9 @@ def test_kill_decode_while_registered_in_push_mode() -> None:
     frees every prompt's blocks (the router cancels the P legs; a prompt already handed
     to P's writer fails its write or its lease ends), and a restarted D (new incarnation)
     serves the next requests."""
-    with Trio("push", p_args=("--kv-lease", "3")) as t:
+    # P's steps are slowed so that the state to kill in (at least two prompts still on P)
+    # lasts about a second, not a few fast steps that polling could miss.
+    with Trio("push", p_args=("--kv-lease", "3", "--fault-step-delay-ms", "200")) as t:
         old = httpx.get(f"{t.url('d')}/kv/info").json()["incarnation"]
 
         async def scenario() -> list[str | None]:

@@ -11,6 +11,7 @@ request still gives the monolithic engine's tokens and both block pools drain to
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
@@ -31,15 +32,23 @@ from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.engine import LLMEngine
 from pdserve.model.loader import LoadedModel, load_model
 from pdserve.server.app import create_app
+from pdserve.transfer import messages as m
+from pdserve.transfer.side_channel import Address, SideChannel
 from tests.pd_harness import make_engine
 
 pytestmark = pytest.mark.timeout(300)
 
 PROMPT = list(range(3, 40))  # 37 tokens: three blocks of 16
 GREEDY = {"max_tokens": 4, "temperature": 0, "ignore_eos": True}
-# Short bounds so that what can only fail late fails fast: P's lease, D's handshake and watchdog.
-P_KW = {"lease_s": 2.0, "registration_ttl_s": 1.0}
+# Short bounds so that what can only fail late fails fast: D's handshake and watchdog, P's
+# wait for a prompt registered for. P's lease is long, so that no read a test makes can come
+# after it on a slow machine; the test that leaves holds unread has a P with a short one.
+P_KW = {"lease_s": 300.0, "registration_ttl_s": 1.0}
+SHORT_LEASE_S = 2.0
 D_KW = {"handshake_timeout_s": 1.0, "recv_timeout_s": 4.0, "registration_ttl_s": 1.0}
+# For a decode instance whose stuck request must stay stuck until the test ends it (see
+# `SilentPrefill`): no bound of its own can end it first, however slow the machine.
+PATIENT_D_KW = {"handshake_timeout_s": 300.0, "recv_timeout_s": 300.0, "heartbeat_misses": 10**6}
 
 
 @dataclass
@@ -60,7 +69,7 @@ class Served:
             headers={"Content-Type": "application/json"},
         )
 
-    def drained(self, timeout: float = 10.0) -> bool:
+    def drained(self, timeout: float = 60.0) -> bool:
         """True once the pool is full again (holds, quarantines and requests all gone)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -216,6 +225,70 @@ def wait_until(cond: Callable[[], bool], timeout: float = 10.0) -> None:
         time.sleep(0.01)
 
 
+class SilentPrefill:
+    """A side channel where a prefill instance would be, that takes D's Hello and answers
+    nothing, so D's handshake hangs for as long as D lets it, until `refuse()`: then every
+    Hello (those waiting and any later one) is turned down and the requests on it end."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._hellos: list[m.Hello] = []
+        self._refusing = False
+        self._side = SideChannel(self._on_message)
+
+    @property
+    def address(self) -> Address:
+        return self._side.address
+
+    def _on_message(self, msg: m.Message) -> None:
+        if isinstance(msg, m.Hello):
+            with self._lock:
+                self._hellos.append(msg)
+                refusing = self._refusing
+            if refusing:
+                self._refuse(msg)
+
+    def refuse(self) -> None:
+        wait_until(lambda: bool(self._hellos), timeout=60.0)  # D's lane has asked
+        with self._lock:
+            self._refusing = True
+            waiting = list(self._hellos)
+        for hello in waiting:
+            self._refuse(hello)
+
+    def _refuse(self, hello: m.Hello) -> None:
+        reply = m.HelloReply(
+            nonce=hello.nonce,
+            engine_id="silent",
+            incarnation="0",
+            compat=hello.compat,
+            num_blocks=0,
+            transport_metadata=b"",
+            error="refused by the test",
+        )
+        self._side.send(tuple(hello.reply_to), reply)
+
+    def close(self) -> None:
+        self._side.close()
+
+
+@contextlib.contextmanager
+def patient_decode(loaded: LoadedModel, mode: str) -> Iterator[tuple[Served, SilentPrefill]]:
+    """A fresh decode instance (PATIENT_D_KW) and a silent prefill address; on the way out
+    the silent one refuses (ending whatever still waits on it), and D must have drained."""
+    stack: list[Callable[[], None]] = []
+    silent = SilentPrefill()
+    stack.append(silent.close)
+    try:
+        d = serve(make_engine(loaded, "decode", mode, **PATIENT_D_KW), stack)
+        yield d, silent
+        assert d.drained(), d.llm.stats()
+        d.llm.check_integrity()
+    finally:
+        for close in reversed(stack):
+            close()
+
+
 # -- decode legs --------------------------------------------------------------------------
 
 
@@ -307,12 +380,16 @@ def test_block_ids_out_of_range_on_first_contact_move_nothing(
     try:
         fresh = serve(make_engine(loaded, "decode", "pull", **D_KW), stack)
         nb = pull.p.llm.pool.num_blocks
-        params = {**pull.decode_params(), "remote_block_ids": [nb, nb + 1, nb + 2]}
+        genuine = pull.decode_params()
+        params = {**genuine, "remote_block_ids": [nb, nb + 1, nb + 2]}
         r = fresh.complete(PROMPT, params)
         assert r.status_code == 400 and "do not belong" in r.json()["error"]["message"], r.text
         assert r.json()["error"]["code"] == "kv_params_rejected"
         assert fresh.llm.connector is not None and fresh.llm.connector.stats.transfers == 0
         assert fresh.drained()
+        # P's hold is intact: the genuine params read the prompt's KV (and free the hold).
+        r = pull.d.complete(PROMPT, genuine, return_token_ids=True)
+        assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == pull.reference
     finally:
         for close in reversed(stack):
             close()
@@ -377,15 +454,22 @@ def test_push_prompt_that_never_comes_is_a_transfer_error(push: PD) -> None:
     push.assert_healthy()
 
 
-def test_unreachable_address_does_not_delay_other_pulls(pull: PD) -> None:
+def test_unreachable_address_does_not_delay_other_pulls(loaded: LoadedModel, pull: PD) -> None:
     """Each prefill instance has its own lane on D: a pull stuck in a handshake with an
-    address nobody answers at does not hold up a pull from the live P."""
-    bad = {**pull.stale_params(), "remote_port": free_port(), "transfer_id": "t-unreachable"}
-    slow = in_background(lambda: pull.d.complete(PROMPT, bad))
-    wait_until(lambda: pull.d.engine.stats().num_waiting_for_kv == 1)
-    done_first = pull.tokens() == pull.reference and pull.d.engine.stats().num_waiting_for_kv
-    slow()
-    assert done_first
+    address that never answers does not hold up a pull from the live P. (The stuck
+    handshake lasts until the test ends it, so the live pull cannot have waited behind it
+    and still be first, however slow the machine.)"""
+    with patient_decode(loaded, "pull") as (d, silent):
+        bad = {**pull.stale_params(), "remote_port": silent.address[1]}
+        slow = in_background(lambda: d.complete(PROMPT, bad))
+        wait_until(lambda: d.engine.stats().num_waiting_for_kv == 1)
+        r = d.complete(PROMPT, pull.decode_params(), return_token_ids=True)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["token_ids"] == pull.reference
+        assert d.engine.stats().num_waiting_for_kv == 1  # the stuck pull still waits
+        silent.refuse()
+        assert slow().status_code >= 500
+    pull.assert_healthy()
 
 
 # -- transfer ids -------------------------------------------------------------------------
@@ -402,24 +486,44 @@ def test_transfer_id_reused_on_p_while_held_is_a_400(pull: PD) -> None:
     pull.assert_healthy()
 
 
-def test_transfer_id_reused_on_d_while_in_flight_is_a_400(pull: PD) -> None:
-    # An unreachable P keeps the first request in its handshake.
-    params = {**pull.stale_params(), "remote_port": free_port()}
-    first = in_background(lambda: pull.d.complete(PROMPT, params))
-    wait_until(lambda: pull.d.engine.stats().num_waiting_for_kv == 1)
-    assert_400(pull.d.complete(PROMPT, params), params["transfer_id"], "in use")
-    assert first().status_code >= 500
+def test_transfer_id_reused_on_d_while_in_flight_is_a_400(loaded: LoadedModel, pull: PD) -> None:
+    # A P that never answers keeps the first request in its handshake until refused.
+    with patient_decode(loaded, "pull") as (d, silent):
+        params = {**pull.stale_params(), "remote_port": silent.address[1]}
+        first = in_background(lambda: d.complete(PROMPT, params))
+        wait_until(lambda: d.engine.stats().num_waiting_for_kv == 1)
+        assert_400(d.complete(PROMPT, params), params["transfer_id"], "in use")
+        silent.refuse()
+        r = first()
+        assert r.status_code >= 500 and "refused by the test" in r.json()["error"]["message"]
     pull.assert_healthy()
 
 
-def test_push_transfer_id_reused_while_registered_is_a_400(push: PD) -> None:
-    tid = uuid.uuid4().hex
-    params = push.push_params(tid)  # no P leg: P expires the registration after its TTL
-    first = in_background(lambda: push.d.complete(PROMPT, params))
-    wait_until(lambda: push.d.engine.stats().num_waiting_for_kv == 1)
-    assert_400(push.d.complete(PROMPT, params), tid, "in use")
-    r = first()
-    assert r.status_code >= 500 and "prefill" in r.json()["error"]["message"], r.text
+def test_push_transfer_id_reused_while_registered_is_a_400(loaded: LoadedModel, push: PD) -> None:
+    """A second push leg with a transfer id D is waiting on is refused, and the first is
+    undisturbed: once its prompt comes, it gets the monolithic tokens. (P and D here have
+    no short bound that could end the first while the second is sent.)"""
+    with patient_decode(loaded, "push") as (d, _):
+        stack: list[Callable[[], None]] = []
+        try:
+            p_kw = {**P_KW, "registration_ttl_s": 300.0, "lease_s": 300.0}
+            p = serve(make_engine(loaded, "prefill", "push", **p_kw), stack)
+            pd = PD(p, d, "push", push.reference)
+            tid = uuid.uuid4().hex
+            params = pd.push_params(tid)
+            first = in_background(lambda: d.complete(PROMPT, params, return_token_ids=True))
+            connector = p.llm.connector
+            assert connector is not None
+            wait_until(lambda: tid in connector._registered)  # D's registration reached P
+            assert_400(d.complete(PROMPT, params), tid, "in use")
+            pd.prefill(PROMPT, tid)  # the first one's prompt
+            r = first()
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["token_ids"] == push.reference
+            assert p.drained(), p.llm.stats()
+        finally:
+            for close in reversed(stack):
+                close()
     push.assert_healthy()
 
 
@@ -486,7 +590,21 @@ def mutate(params: dict[str, Any], changes: list[tuple[str, str, Any]]) -> dict[
     return out
 
 
-def test_mutated_decode_params_never_kill_or_wedge(pull: PD) -> None:
+def test_mutated_decode_params_never_kill_or_wedge(loaded: LoadedModel, pull: PD) -> None:
+    # Params D refuses leave P's hold unread: this P's short lease frees them.
+    stack: list[Callable[[], None]] = []
+    try:
+        p_kw = {**P_KW, "lease_s": SHORT_LEASE_S}
+        p = serve(make_engine(loaded, "prefill", "pull", **p_kw), stack)
+        fuzz_decode_params(PD(p, pull.d, "pull", pull.reference))
+    finally:
+        for close in reversed(stack):
+            close()
+
+
+def fuzz_decode_params(pull: PD) -> None:
+    """Mutated params of genuine prefills: each a 400, a clear error or a completion; then
+    both instances are healthy."""
     seen: dict[int, int] = {}
 
     @settings(

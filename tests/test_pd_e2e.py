@@ -57,7 +57,7 @@ def instance_urls(cluster: Cluster) -> list[str]:
     return [inst.url for inst in cluster.instances]
 
 
-def wait_blocks_free(cluster: Cluster, timeout: float = 20.0) -> None:
+def wait_blocks_free(cluster: Cluster, timeout: float = 60.0) -> None:
     """Every instance's pool returns to full (leases, writes and quarantines end)."""
     deadline = time.monotonic() + timeout
     used: dict[str, int] = {}
@@ -155,10 +155,12 @@ def test_push_200_requests_with_random_aborts_leave_no_blocks(tmp_path) -> None:
             await asyncio.gather(*(one(i) for i in range(200)))
         return done, aborted
 
-    with start(tmp_path, "push") as cluster:
+    # Slowed steps (2 ms each) keep `aborted > 0` certain however fast the machine: the
+    # shortest abort point is 11 ms, and its reply of 24 tokens takes at least 48 ms.
+    with start(tmp_path, "push", extra=("--fault-step-delay-ms", "2")) as cluster:
         done, aborted = asyncio.run(scenario(cluster.router_url))
         assert done + aborted == 200 and aborted > 0 and done > 0
-        wait_blocks_free(cluster, timeout=40)
+        wait_blocks_free(cluster)
         # The instances still serve after the storm.
         assert len(asyncio.run(complete_all(cluster.router_url, prompts()[:2]))[0]) == MAX_TOKENS
 
@@ -181,8 +183,13 @@ def test_pull_lease_expiry_frees_prefill_blocks(tmp_path) -> None:
         }
         r = httpx.post(f"{prefill}/v1/completions", json=body, timeout=60)
         assert r.status_code == 200, r.text
-        assert r.json()["kv_transfer_params"]["remote_block_ids"]
-        assert httpx.get(f"{prefill}/load").json()["kv_blocks_used"] > 0  # held for D
-        wait_blocks_free(cluster, timeout=10)  # nobody read it: the lease frees it
+        params = r.json()["kv_transfer_params"]
+        assert params["remote_block_ids"]
+        used = httpx.get(f"{prefill}/load").json()["kv_blocks_used"]
+        # Held for D while the lease runs. Only checked if the answer came well inside the
+        # lease: a loaded machine may be slower than the 1 s lease between the two calls.
+        if time.time() < params["expires_at"] - 0.1:
+            assert used > 0
+        wait_blocks_free(cluster)  # nobody read it: the lease frees it
         m = httpx.get(f"{prefill}/metrics").text
         assert 'pdserve_kv_lease_expired_total{mode="pull"} 1.0' in m

@@ -8,6 +8,8 @@ both block pools are full again and pass their integrity check.
 from __future__ import annotations
 
 import random
+import time
+from collections.abc import Callable
 
 import pytest
 
@@ -43,6 +45,14 @@ def reference(loaded):
         return cache[key]
 
     return ref
+
+
+def wait_for(cond: Callable[[], bool], timeout: float = 30.0) -> None:
+    """Poll `cond` (without stepping any engine) until it holds; fail after `timeout`."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not met"
+        time.sleep(0.005)
 
 
 def prompts(n: int, seed: int) -> list[list[int]]:
@@ -132,6 +142,10 @@ def test_push_fencing_blocks_stay_quarantined_until_p_acknowledges(pair_factory)
     pair.submit_d("r", ids, GREEDY, pair.push_params(tid))
     pair.run_until(lambda: pair.d.stats().num_waiting_for_kv == 1, only=pair.d)
     reserved = set(pair.d.requests["r"].block_ids)
+    # D's registration lane sends on its own thread; D is not stepped until P has it, so the
+    # watchdog cannot fire first (on a loaded machine a handshake can outlast 0.3 s, and a
+    # registration cancelled before it was sent frees its blocks at once: no fence).
+    wait_for(lambda: tid in pair.p.connector._registered)
     pair.run_until(lambda: pair.finished("r"), timeout=5.0, only=pair.d)
     assert pair.finished("r").finish_reason is FinishReason.ERROR
     fenced = {

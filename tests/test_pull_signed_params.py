@@ -35,7 +35,10 @@ from tests.test_fuzz_kv_params import PD, PROMPT, Served, serve
 pytestmark = pytest.mark.timeout(300)
 
 TOKEN = "cluster-secret"
-P_KW = {"lease_s": 2.0, "cluster_token": TOKEN}
+# P's lease is long: every test reads its prompts well within it, however slow the machine
+# (a 2 s lease could end between a prefill and its read). The lease-end test has its own P.
+P_KW = {"lease_s": 300.0, "cluster_token": TOKEN}
+SHORT_LEASE_S = 2.0
 D_KW = {"handshake_timeout_s": 1.0, "recv_timeout_s": 4.0, "cluster_token": TOKEN}
 
 
@@ -93,6 +96,8 @@ def assert_refused(pd: PD, params: dict[str, Any], *words: str) -> None:
 def test_genuine_signed_params_are_read(pd: PD) -> None:
     params = pd.decode_params()
     assert len(params["signature"]) == 64 and params["expires_at"] > time.time()
+    r = pd.d.complete(PROMPT, params, return_token_ids=True)  # its read frees P's hold
+    assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == pd.reference, r.text
     pd.assert_healthy()
 
 
@@ -149,15 +154,23 @@ def test_streamed_request_is_refused_before_the_stream_starts(pd: PD) -> None:
     pd.assert_healthy()
 
 
-def test_params_past_their_lease_are_a_lease_error(pd: PD) -> None:
-    genuine = pd.decode_params()
-    assert pd.p.drained(timeout=10.0)  # P's lease (2 s) ended: its hold is gone
-    before = reads(pd.d)
-    r = pd.d.complete(PROMPT, genuine)
-    assert r.status_code == 502, r.text
-    err = r.json()["error"]
-    assert err["type"] == "kv_transfer_error" and err["code"] == "kv_lease_expired", err
-    assert reads(pd.d) == before
+def test_params_past_their_lease_are_a_lease_error(loaded: LoadedModel, pd: PD) -> None:
+    stack: list[Callable[[], None]] = []
+    try:
+        p = serve(
+            make_engine(loaded, "prefill", "pull", **{**P_KW, "lease_s": SHORT_LEASE_S}), stack
+        )
+        genuine = PD(p, pd.d, "pull", pd.reference).decode_params()
+        assert p.drained(timeout=30.0)  # P's lease (2 s) ended: its hold is gone
+        before = reads(pd.d)
+        r = pd.d.complete(PROMPT, genuine)
+        assert r.status_code == 502, r.text
+        err = r.json()["error"]
+        assert err["type"] == "kv_transfer_error" and err["code"] == "kv_lease_expired", err
+        assert reads(pd.d) == before
+    finally:
+        for close in reversed(stack):
+            close()
     pd.assert_healthy()
 
 

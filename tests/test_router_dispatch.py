@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import threading
 import time
@@ -72,10 +74,11 @@ def test_pull_without_params_from_prefill_is_502() -> None:
 
 
 def test_push_sends_both_legs_concurrently() -> None:
-    # P answers only once D's leg has arrived (or after 10 s): a router that sent the legs
+    # P answers only once D's leg has arrived (or after 30 s): a router that sent the legs
     # one after the other would make D arrive after P's answer.
     d = FakeInstance("decode")
-    with d, FakeInstance("prefill", hold=d.arrived) as p, running_router([p], [d], "push") as r:
+    p = FakeInstance("prefill", hold=d.arrived, hold_timeout_s=30)
+    with d, p, running_router([p], [d], "push") as r:
         resp = httpx.post(f"{r}/v1/completions", json={**PROMPT, "stream": True})
         wait_for(lambda: p.received and p.received[0].responded is not None)
         wait_for(lambda: _instances(r)[0]["outstanding"] == 0)
@@ -101,7 +104,7 @@ def test_push_prefill_answering_late_reports_its_done_time_in_the_stream() -> No
     late = threading.Event()
     body = {**PROMPT, "stream": True}
     with (
-        FakeInstance("prefill", hold=late) as p,
+        FakeInstance("prefill", hold=late, hold_timeout_s=600) as p,  # until `late` only
         FakeInstance("decode", num_chunks=100_000, chunk_delay_s=0.01) as d,
         running_router([p], [d], mode="push") as r,
         httpx.stream("POST", f"{r}/v1/completions", json=body) as stream,
@@ -120,9 +123,12 @@ def test_push_prefill_answering_late_reports_its_done_time_in_the_stream() -> No
 
 def test_push_failing_prefill_returns_502_and_cancels_decode() -> None:
     never = threading.Event()
+    d = FakeInstance("decode", hold=never)  # D waits for KV that never comes
+    # P fails only once D's leg has arrived: failing at once, P could make the router cancel
+    # D's leg before it reached D (both legs leave together), and D would never see it.
     with (
-        FakeInstance("prefill", fail_status=500) as p,
-        FakeInstance("decode", hold=never) as d,  # D waits for KV that never comes
+        d,
+        FakeInstance("prefill", fail_status=500, hold=d.arrived, hold_timeout_s=30) as p,
         running_router([p], [d], mode="push") as r,
     ):
         resp = httpx.post(f"{r}/v1/completions", json={**PROMPT, "stream": True})
@@ -172,7 +178,8 @@ def test_push_decode_error_is_relayed_and_cancels_prefill() -> None:
     never = threading.Event()
     with (
         FakeInstance("prefill", hold=never) as p,
-        FakeInstance("decode", fail_status=400) as d,
+        # D fails only once P's leg has arrived, so that there is a P leg to cancel.
+        FakeInstance("decode", fail_status=400, hold=p.arrived, hold_timeout_s=30) as d,
         running_router([p], [d], mode="push") as r,
     ):
         resp = httpx.post(f"{r}/v1/completions", json={**PROMPT, "stream": True})
@@ -229,12 +236,29 @@ def test_client_disconnect_during_prefill_cancels_prefill(mode: str) -> None:
         FakeInstance("decode", hold=never) as d,
         running_router([p], [d], mode=mode) as r,
     ):
-        with pytest.raises(httpx.ReadTimeout):
-            httpx.post(f"{r}/v1/completions", json={**PROMPT, "stream": True}, timeout=0.5)
+        # The client goes away once the legs it cancels have arrived (a fixed client
+        # timeout could expire before the router had sent them, on a loaded machine).
+        legs = (p.arrived, d.arrived) if mode == "push" else (p.arrived,)
+        _post_then_hang_up(f"{r}/v1/completions", {**PROMPT, "stream": True}, legs)
         wait_for(lambda: p.received and p.received[0].disconnected)
         if mode == "push":
             wait_for(lambda: d.received and d.received[0].disconnected)
         wait_for(lambda: all(i["outstanding"] == 0 for i in _instances(r)))
+
+
+def _post_then_hang_up(url: str, body: dict, arrived: tuple[threading.Event, ...]) -> None:
+    """POST `body` and close the connection once every event of `arrived` is set."""
+
+    async def run() -> None:
+        async with httpx.AsyncClient(timeout=60) as client:
+            post = asyncio.ensure_future(client.post(url, json=body))
+            await asyncio.to_thread(wait_for, lambda: all(e.is_set() for e in arrived))
+            assert not post.done(), "the router answered a request that cannot be answered"
+            post.cancel()  # closes the connection: the client went away
+            with contextlib.suppress(asyncio.CancelledError):
+                await post
+
+    asyncio.run(run())
 
 
 def test_decode_dying_mid_stream_ends_with_sse_error() -> None:

@@ -97,8 +97,10 @@ def test_router_least_loaded_avoids_the_busy_decode() -> None:
     hold = threading.Event()
     with (
         FakeInstance("prefill") as p,
-        FakeInstance("decode", hold=hold) as d1,
-        FakeInstance("decode", hold=hold) as d2,
+        # Held until the test releases them (not the fakes' default 10 s, which a slow
+        # machine could reach with the busy leg still needed).
+        FakeInstance("decode", hold=hold, hold_timeout_s=600) as d1,
+        FakeInstance("decode", hold=hold, hold_timeout_s=600) as d2,
         running_router([p], [d1, d2], policy="least_loaded") as r,
     ):
         # One streaming request stays outstanding on whichever D gets it (D holds it) ...

@@ -142,9 +142,14 @@ def test_a_burst_between_polls_is_spread(policy: str) -> None:
     hold = threading.Event()
     with (
         FakeInstance("prefill") as p,
-        FakeInstance("decode", hold=hold, load=_report(steps=50.0, running=0, left=0)) as d1,
+        # Both hold every leg until the test releases them (hold_timeout_s: not before).
+        FakeInstance(
+            "decode", hold=hold, hold_timeout_s=600, load=_report(steps=50.0, running=0, left=0)
+        ) as d1,
         # d2 reports a slightly lower rate: without the correction every leg goes to d1.
-        FakeInstance("decode", hold=hold, load=_report(steps=49.0, running=0, left=0)) as d2,
+        FakeInstance(
+            "decode", hold=hold, hold_timeout_s=600, load=_report(steps=49.0, running=0, left=0)
+        ) as d2,
         # Reports stay as they are during the burst: one poll at start-up and none after it
         # (with a short interval, a poll landing mid-burst on a slow machine would mark the
         # legs sent so far as reported, and the fakes' reports do not count them).

@@ -72,7 +72,9 @@ from pdserve.launcher import Cluster, ClusterConfig, ClusterError
 PREFILL = "prefill-0"
 # After the restarted P answers /health, the router needs its health round (1 s by default)
 # and a /kv/info refresh before it routes to P again; requests in that window may get a 503.
+# The 'after' phase starts once the router is seen to have done so, and not before this.
 SETTLE_S = 5.0
+_TAKEN_BACK_TIMEOUT_S = 120.0  # waiting for the router to take P back, at most
 WARMUP_TOKENS = 4
 _TIMEOUT_MARGIN_S = 30.0  # the router's own bound sits above the client's
 
@@ -174,16 +176,40 @@ async def _restart_prefill(
     killed = time.monotonic() - t0
     new = await asyncio.to_thread(cluster.restart_instance, PREFILL)
     ready = time.monotonic() - t0
+    new_incarnation = await _incarnation(http, new.url)
+    taken_back = await _router_took_back(http, cluster, new.url, new_incarnation)
     return RestartInfo(
         instance=PREFILL,
         killed_s=killed,
         ready_s=ready,
-        settled_s=ready + SETTLE_S,
+        settled_s=max(ready + SETTLE_S, taken_back - t0),
         old_pid=old.pid,
         new_pid=new.pid,
         old_incarnation=old_incarnation,
-        new_incarnation=await _incarnation(http, new.url),
+        new_incarnation=new_incarnation,
     )
+
+
+async def _router_took_back(
+    http: httpx.AsyncClient, cluster: Cluster, url: str, incarnation: str | None
+) -> float:
+    """When (time.monotonic()) the router was seen to have admitted the instance at `url`
+    again and, in push mode, to know its new incarnation (from /kv/info; a push router
+    hands it to D with every request, a pull router does not use it). A fixed delay would
+    not do: a health round can take seconds on a loaded machine. Gives up (returns) after
+    `_TAKEN_BACK_TIMEOUT_S`; requests failing after that are then counted as 'after'."""
+    deadline = time.monotonic() + _TAKEN_BACK_TIMEOUT_S
+    while time.monotonic() < deadline:
+        try:
+            rows = (await http.get(f"{cluster.router_url}/router/instances")).json()
+            row = next(r for r in rows if r["url"] == url)
+            knows = (row["info"] or {}).get("incarnation") == incarnation
+            if row["admitted"] and (knows or cluster.config.kv_transfer != "push"):
+                return time.monotonic()
+        except (httpx.HTTPError, ValueError, KeyError, TypeError, StopIteration):
+            pass
+        await asyncio.sleep(0.1)
+    return time.monotonic()
 
 
 async def _read_blocks(http: httpx.AsyncClient, cluster: Cluster) -> list[InstanceBlocks]:
