@@ -6,6 +6,7 @@ way. Also: a decode instance's `/tokenize` and its extended `/load` report."""
 from __future__ import annotations
 
 import random
+import time
 from contextlib import ExitStack
 
 import httpx
@@ -39,6 +40,15 @@ def _finished_requests(url: str) -> float:
     return total
 
 
+def _counts_reach(url: str, n: int, timeout_s: float = 30.0) -> None:
+    """Until the instance has counted `n` answered requests (the counter moves once the
+    response is sent, which may be after the client has read it); fails if it exceeds n."""
+    deadline = time.monotonic() + timeout_s
+    while (count := _finished_requests(url)) < n and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert count == n, f"{url} answered {count} requests, expected {n}"
+
+
 def test_short_prompts_are_prefilled_on_decode_with_monolithic_output() -> None:
     instance = ["--threads", "1", "--model", "builtin:tiny"]
     p_args = ["serve", "--role", "prefill", "--kv-transfer", "push", *instance]
@@ -62,12 +72,12 @@ def test_short_prompts_are_prefilled_on_decode_with_monolithic_output() -> None:
 
         for ids in short:
             assert _complete(router.url, ids) == expected[tuple(ids)], f"{len(ids)} tokens"
+        _counts_reach(d.url, len(short))
         assert _finished_requests(p.url) == 0  # P never saw a short prompt
-        assert _finished_requests(d.url) == len(short)
 
         for ids in long:
             assert _complete(router.url, ids) == expected[tuple(ids)], f"{len(ids)} tokens"
-        assert _finished_requests(p.url) == len(long)
+        _counts_reach(p.url, len(long))  # P's answer may be counted after D's reply
 
         load = httpx.get(f"{d.url}/load", timeout=5).json()
         assert load["kv_blocks_used"] == 0 and load["decode_tokens_left"] == 0
