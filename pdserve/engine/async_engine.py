@@ -47,6 +47,7 @@ class AsyncEngine:
         self._inbox: queue.SimpleQueue[EngineRequest | _Abort | _Wake | None] = queue.SimpleQueue()
         if engine.connector is not None:
             engine.connector.wake = lambda: self._inbox.put(_Wake())
+        engine.early_outputs = self._deliver  # called on the engine thread, mid-step
         self._sinks: dict[str, _Sink] = {}
         self._sinks_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="pdserve-engine", daemon=True)

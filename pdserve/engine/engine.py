@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 import torch
 
@@ -20,11 +20,12 @@ from pdserve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.engine.request import Request, RequestState
 from pdserve.engine.runner import ModelRunner
 from pdserve.engine.scheduler import Scheduler, SchedulerOutput, blocks_needed
+from pdserve.engine.steptrace import StepTracer
 from pdserve.engine.types import EngineRequest, EngineStats, FinishReason, RequestOutput
 from pdserve.kv.block_pool import BlockPool
 from pdserve.kv.cache import KVCache, num_blocks_for_budget
 from pdserve.model.loader import LoadedModel, load_model
-from pdserve.transfer.connector import KVConnector, KVReady, transfer_id_of
+from pdserve.transfer.connector import Event, KVConnector, KVReady, transfer_id_of
 from pdserve.transfer.params import (
     InstanceLimits,
     InvalidKVTransferParams,
@@ -63,7 +64,12 @@ class LLMEngine:
         self.scheduler = Scheduler(cfg.scheduler, self.pool, bs)
         self.runner = ModelRunner(loaded.model, self.kv, device)
         self.requests: dict[str, Request] = {}
+        self.trace = StepTracer()  # DEBUG lines on pdserve.engine.steps (steptrace.py)
         self.connector: KVConnector | None = None
+        # Set by whoever drives the loop (AsyncEngine): outputs made between two layers of a
+        # step are handed over through it at once instead of with the step's outputs.
+        self.early_outputs: Callable[[list[RequestOutput]], None] | None = None
+        self._deferred: list[Event] = []  # connector events for requests in a running step
         if connector_factory is not None:
             self.connector = connector_factory(self.kv, self.pool, loaded)
             self.scheduler.on_remote_admit = self.connector.start_receive
@@ -156,16 +162,25 @@ class LLMEngine:
         """True when `step()` would compute (connector events are polled separately)."""
         return self.scheduler.has_work()
 
-    def poll_connector(self) -> list[RequestOutput]:
-        """Apply the connector's events: KV arrived (emit P's first token), KV failed."""
+    def poll_connector(self, busy: Collection[str] = ()) -> list[RequestOutput]:
+        """Apply the connector's events: KV arrived (emit P's first token), KV failed.
+
+        Events for the requests in `busy` (those of a step in progress) wait for the next
+        call: a request must not end while the model computes on its blocks.
+        """
         if self.connector is None:
             return []
         outputs = []
-        for ev in self.connector.poll():
+        events, self._deferred = self._deferred + self.connector.poll(), []
+        for ev in events:
+            if ev.request_id in busy:
+                self._deferred.append(ev)
+                continue
             req = self.requests.get(ev.request_id)
             if req is None:
                 continue
             if isinstance(ev, KVReady):
+                self.trace.landed(1)
                 self.scheduler.kv_arrived(req)
                 outputs.append(self._append_token(req, ev.first_token_id))
             else:
@@ -175,6 +190,7 @@ class LLMEngine:
     # -- the loop body ---------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one batch; returns the outputs produced by it."""
+        start = time.monotonic()
         sched = self.scheduler.schedule()
         if not sched.seqs:
             return []
@@ -185,14 +201,36 @@ class LLMEngine:
         except Exception as exc:  # one bad batch must not kill the instance
             log.exception("engine step failed; failing its %d requests", len(sched.seqs))
             return [self._fail(s.request, f"engine step failed: {exc}") for s in sched.seqs]
-        return self._update(sched, sampled)
+        outputs = self._update(sched, sampled)
+        if self.trace.enabled:
+            self.trace.record(sched, start)
+        return outputs
 
     def _layer_hook(self, sched: SchedulerOutput) -> Callable[[int], None] | None:
-        """P (layer-wise push): stream each layer of prompts finishing in this step."""
+        """P (layer-wise push): stream each layer of prompts finishing in this step.
+        D: between layers, hand over the first token of KV that has just landed."""
         if self.connector is None:
             return None
+        if self.connector.cfg.role == "decode" and self.early_outputs is not None:
+            return self._mid_step_poll(frozenset(s.request.request_id for s in sched.seqs))
         last = [s.request for s in sched.seqs if s.samples and s.request.is_remote_decode]
         return self.connector.layer_hook(last) if last else None
+
+    def _mid_step_poll(self, busy: frozenset[str]) -> Callable[[int], None]:
+        """A layer hook for D. A prompt whose KV lands during a step would otherwise wait
+        for the step's end before its first token (P's) leaves: up to a whole decode step
+        of the handoff under load. Its request is not in this step (it was waiting for
+        KV), so taking its event now changes nothing the step computes on."""
+        connector, deliver = self.connector, self.early_outputs
+        assert connector is not None and deliver is not None
+
+        def hook(layer: int) -> None:
+            if connector.has_events():
+                outputs = self.poll_connector(busy)
+                if outputs:
+                    deliver(outputs)
+
+        return hook
 
     def _fail(self, req: Request, message: str) -> RequestOutput:
         out = self._finish(req, FinishReason.ERROR)

@@ -239,6 +239,10 @@ class KVConnector:
         """Mode hook: tell whoever may still touch the blocks."""
 
     # -- engine thread: events and deadlines --------------------------------------------------
+    def has_events(self) -> bool:
+        """Whether a worker has reported something `poll` would apply (any thread; cheap)."""
+        return not self._events.empty()
+
     def poll(self) -> list[Event]:
         """Drain worker reports, release holds and quarantines, enforce deadlines."""
         out: list[Event] = []
