@@ -295,3 +295,16 @@ def test_push_registration_cancelled_before_it_is_sent_frees_blocks_at_once(
     pair.run_until(lambda: pair.d.pool.num_used == 0, timeout=10.0, only=pair.d)
     pair.d.check_integrity()
     assert not pair.d.connector.quarantine
+
+
+def test_push_connectors_run_only_their_roles_threads(loaded) -> None:
+    p = make_engine(loaded, "prefill", "push")
+    d = make_engine(loaded, "decode", "push")
+    try:
+        names = {role: {t.name for t in e.connector._threads} for role, e in (("p", p), ("d", d))}
+        assert names["p"] == {"pdserve-push-writer", "pdserve-push-watch"}
+        assert names["d"] == {"pdserve-push-notif"}
+        assert all(t.is_alive() for e in (p, d) for t in e.connector._threads)
+    finally:
+        p.close()
+        d.close()

@@ -152,10 +152,16 @@ class PushConnector(KVConnector):
         # whether a finishing prompt can be streamed layer by layer.
         self._registered: set[str] = set()
         self.writer_stats = WriterStats()
+        # Only the role's threads: each wakes every 50 ms, and an idle push D ran P's two
+        # for nothing (3.0% of a core for an idle cluster, against pull's 1.6%).
+        loops = []
+        if self.cfg.role != "decode":  # P writes and watches its writes
+            loops += [(self._writer_loop, "writer"), (self._watch_loop, "watch")]
+        if self.cfg.role != "prefill":  # D receives P's completion notifications
+            loops.append((self._notif_loop, "notif"))
         self._threads = [
-            threading.Thread(target=self._writer_loop, name="pdserve-push-writer", daemon=True),
-            threading.Thread(target=self._notif_loop, name="pdserve-push-notif", daemon=True),
-            threading.Thread(target=self._watch_loop, name="pdserve-push-watch", daemon=True),
+            threading.Thread(target=loop, name=f"pdserve-push-{name}", daemon=True)
+            for loop, name in loops
         ]
         for t in self._threads:
             t.start()
