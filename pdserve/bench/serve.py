@@ -313,6 +313,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     out.add_argument("--metadata", nargs="*", type=_key_value, default=[], metavar="KEY=VALUE")
     out.add_argument("--save-result", type=Path, default=None, metavar="FILE")
     out.add_argument("--disable-tqdm", action="store_true")
+    out.add_argument(
+        "--cpus",
+        type=parse_cpu_list,
+        default=None,
+        metavar="LIST",
+        help="run this client on these CPUs, e.g. 0 or 0-1 or 0,2 (default: anywhere). On a "
+        "small machine keep it off the decode instances' cores (pdserve up puts the router "
+        "on the prefill instances' cores): a client the scheduler moves onto D's core "
+        "delays D's steps and inflates the TPOT it measures",
+    )
+
+
+def parse_cpu_list(text: str) -> frozenset[int]:
+    """CPUs from `0`, `0-3`, `0,2` or a mix (as `taskset -c` takes them)."""
+    bad = argparse.ArgumentTypeError(f"not a CPU list: {text!r} (e.g. 0 or 0-1 or 0,2)")
+    cpus: set[int] = set()
+    for part in text.split(","):
+        first, dash, last = part.strip().partition("-")
+        if not first.isdigit() or (dash and not last.isdigit()):
+            raise bad
+        cpus.update(range(int(first), int(last or first) + 1))
+    if not cpus:
+        raise bad
+    return frozenset(cpus)
 
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
@@ -351,9 +375,11 @@ def main(args: argparse.Namespace) -> int:
     from pdserve.bench.report import format_run  # matplotlib stays out of the import path
 
     try:
+        if args.cpus is not None:  # before any thread starts, so every thread inherits it
+            os.sched_setaffinity(0, args.cpus)
         cfg = config_from_args(args)
         result = asyncio.run(run_benchmark(cfg))
-    except (EndpointError, TraceError, ValueError) as exc:
+    except (EndpointError, TraceError, ValueError, OSError) as exc:
         print(f"pdserve bench serve: {exc}", file=sys.stderr)
         return 1
     print(format_run(result))
