@@ -1,0 +1,174 @@
+"""Push vs pull decode TPOT under load (issue 8), with D's per-step trace and thread CPU.
+
+Both clusters (`pdserve up --kv-transfer push` and `... pull`) are up for the whole run, as in
+scripts/bench/perf/run_vs_vllm.sh (P on core 0, D on core 1, router on P's core, bench
+client unpinned as a user would run it). Instances run with `--log-level debug`, so every
+engine step writes a `pdserve.engine.steps` record (pdserve/engine/steptrace.py) to the
+instance's log. Modes alternate ABBA per round; a round's two modes get the same arrival
+seed. Per run this saves the bench result and, before/after, each thread's CPU seconds of
+P, D and the router (/proc/PID/task/*/stat; names from `py-spy dump`) and time.monotonic()
+(the clock of the step records), so analyze.py can cut the step trace per run.
+
+usage: run.py OUTDIR [--rounds 3] [--input-len 1024] [--rate 4] [--num-prompts 32]
+       (run under flock /work/notes/bench.lock)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[3]
+PY = str(REPO / ".venv/bin/python")
+PYSPY = str(REPO / ".venv/bin/py-spy")
+TICK = os.sysconf("SC_CLK_TCK")
+MODES = ("push", "pull")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start(mode: str, out: Path, model: str) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    log = open(out / f"up-{mode}.log", "w")  # noqa: SIM115 - lives as long as the cluster
+    cmd = [PY, "-m", "pdserve", "up", "--kv-transfer", mode, "--model", model]
+    cmd += ["--port", str(port), "--log-dir", str(out / f"logs-{mode}")]
+    cmd += ["--", "--dtype", "float32", "--kv-cache-memory", "1", "--log-level", "debug"]
+    popen = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    return popen, f"http://127.0.0.1:{port}"
+
+
+def wait_ready(mode: str, out: Path, popen: subprocess.Popen) -> dict[str, int]:
+    text = ""
+    for _ in range(300):
+        text = (out / f"up-{mode}.log").read_text()
+        if "Ctrl-C stops" in text or popen.poll() is not None:
+            break
+        time.sleep(1)
+    found = dict(re.findall(r"^\s+(prefill|decode|router)\s+http://\S+\s+pid (\d+)", text, re.M))
+    if len(found) != 3:
+        sys.exit(f"cluster {mode} did not start; see {out}/up-{mode}.log")
+    return {role: int(pid) for role, pid in found.items()}
+
+
+def thread_names(pid: int) -> dict[str, str]:
+    dump = subprocess.run(
+        [PYSPY, "dump", "--nonblocking", "--pid", str(pid)], capture_output=True, text=True
+    ).stdout
+    return dict(re.findall(r"^Thread (\d+) \([^)]*\): \"([^\"]+)\"", dump, re.M))
+
+
+def thread_cpu(pid: int) -> dict[str, float]:
+    out = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            f = Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        out[tid] = (int(f[11]) + int(f[12])) / TICK
+    return out
+
+
+def run_delay_s(pid: int) -> float:
+    """Seconds the threads of `pid` sat runnable waiting for a CPU (schedstat field 2)."""
+    total = 0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            total += int(Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()[1])
+        except OSError:
+            continue
+    return total / 1e9
+
+
+def snapshot(pids: dict[str, int], idle: dict[str, int]) -> dict:
+    """Thread CPU of the measured cluster's processes, process CPU of the idle cluster's."""
+    return {
+        "t": time.monotonic(),
+        "wall": time.time(),
+        "load": Path("/proc/loadavg").read_text().split()[:3],
+        "cpu": {role: thread_cpu(pid) for role, pid in pids.items()},
+        "runq": {role: run_delay_s(pid) for role, pid in pids.items()},
+        "idle_cpu": {role: sum(thread_cpu(pid).values()) for role, pid in idle.items()},
+    }
+
+
+def bench(
+    url: str, a: argparse.Namespace, seed: int, save: Path | None, log: Path
+) -> tuple[int, float]:
+    """Run `pdserve bench serve` (unpinned); returns its exit status and CPU seconds."""
+    cmd = [PY, "-m", "pdserve", "bench", "serve", "--base-url", url, "--disable-tqdm"]
+    cmd += ["--input-len", str(a.input_len), "--output-len", "64", "--ignore-eos"]
+    cmd += ["--num-prompts", str(a.num_prompts if save else 4), "--request-rate", str(a.rate)]
+    cmd += ["--seed", str(seed), "--num-warmups", "2"]
+    if save is not None:
+        cmd += ["--save-result", str(save)]
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT)
+        _, status, usage = os.wait4(proc.pid, 0)
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        return proc.returncode, usage.ru_utime + usage.ru_stime
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--input-len", type=int, default=1024)
+    ap.add_argument("--rate", type=float, default=4.0)
+    ap.add_argument("--num-prompts", type=int, default=32)
+    ap.add_argument("--model", default="results/ckpt-qwen3-4l256")
+    a = ap.parse_args()
+    a.out.mkdir(parents=True, exist_ok=True)
+    print(f"start {time.strftime('%F %T')} load {Path('/proc/loadavg').read_text().strip()}")
+    started = {m: start(m, a.out, a.model) for m in MODES}
+    clusters = {}
+    try:
+        for m, (popen, url) in started.items():
+            clusters[m] = (popen, url, wait_ready(m, a.out, popen))
+        names = {}
+        for m, (_, url, pids) in clusters.items():
+            # the transfer threads start with the first requests
+            bench(url, a, seed=99, save=None, log=a.out / f"warm-{m}.txt")
+            names[m] = {role: thread_names(pid) for role, pid in pids.items()}
+        pids = {m: c[2] for m, c in clusters.items()}
+        (a.out / "threads.json").write_text(json.dumps({"pids": pids, "names": names}))
+        rows = []
+        for r in range(1, a.rounds + 1):
+            order = MODES if r % 2 else MODES[::-1]
+            for m in order:
+                _, url, pids = clusters[m]
+                idle = next(c[2] for k, c in clusters.items() if k != m)
+                tag = f"r{r}-{m}"
+                s0 = snapshot(pids, idle)
+                rc, client_cpu = bench(url, a, r, a.out / f"{tag}.json", a.out / f"{tag}.txt")
+                s1 = snapshot(pids, idle)
+                row = {"tag": tag, "mode": m, "rc": rc, "client_cpu": client_cpu}
+                rows.append({**row, "before": s0, "after": s1})
+                print(f"{time.strftime('%T')} {tag} rc={rc} load {s1['load'][0]}", flush=True)
+                time.sleep(2)
+        (a.out / "rows.json").write_text(json.dumps(rows))
+    finally:
+        for popen, _ in started.values():
+            popen.send_signal(signal.SIGINT)
+        for popen, _ in started.values():
+            try:
+                popen.wait(30)
+            except subprocess.TimeoutExpired:
+                popen.terminate()
+                popen.wait()
+    print(f"end {time.strftime('%F %T')} load {Path('/proc/loadavg').read_text().strip()}")
+
+
+if __name__ == "__main__":
+    main()
