@@ -110,6 +110,15 @@ def test_metadata_slots_positions_and_logits_indices():
     (group,) = meta.decodes
     assert sorted(group.token_indices.tolist()) == [3, 4]
     assert group.mask.sum().item() == 1 + 31
+    assert group.slots[1, :3].tolist() == [9 * 16, 9 * 16 + 1, 9 * 16 + 2]
+    assert not meta.decode_in_order  # a prefill shares the step
+
+
+@pytest.mark.parametrize("lens, in_order", [([40, 10], False), ([10, 40], True), ([7], True)])
+def test_metadata_flags_decode_only_steps_in_step_order(lens, in_order):
+    tables = shuffled_tables(len(lens), 3)
+    slices = [SeqSlice(t, n - 1, 1) for t, n in zip(tables, lens, strict=True)]
+    assert build_attention_metadata(slices, BLOCK, "cpu").decode_in_order is in_order
 
 
 def test_metadata_rejects_short_block_table():
@@ -157,3 +166,62 @@ def test_chunk_after_prefix_equals_masked_attention(prefix, new):
     split = (k[:, :, :prefix], v[:, :, :prefix], k[:, :, prefix:], v[:, :, prefix:])
     got = _attend_after_prefix(q, split[0], split[1], split[2], split[3])
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def decode_inputs(lens: list[int], heads: int, kv_heads: int, seed: int):
+    """Random queries, a shuffled paged cache and the decode group for contexts `lens`."""
+    g = torch.Generator().manual_seed(seed)
+    dim, blocks_each = 8, -(-max(lens) // BLOCK)
+    k_cache = torch.randn(NUM_BLOCKS, BLOCK, kv_heads, dim, generator=g)
+    v_cache = torch.randn(NUM_BLOCKS, BLOCK, kv_heads, dim, generator=g)
+    tables = shuffled_tables(len(lens), blocks_each, seed)
+    slices = [SeqSlice(t, n - 1, 1) for t, n in zip(tables, lens, strict=True)]
+    (group,) = build_attention_metadata(slices, BLOCK, "cpu").decodes
+    q = torch.randn(len(lens), heads, dim, generator=g)
+    return q[group.token_indices], k_cache, v_cache, group, tables
+
+
+def reference_decode(q, k_cache, v_cache, tables, lens, token_order) -> torch.Tensor:
+    """Each sequence alone: plain SDPA over exactly its context, no padding, no mask."""
+    heads, kv_heads = q.shape[1], k_cache.shape[-2]
+    out = []
+    for row, i in enumerate(token_order):
+        n, table = lens[i], torch.tensor(tables[i])
+        keys = k_cache[table].flatten(0, 1)[:n].transpose(0, 1)  # [kv_heads, n, dim]
+        values = v_cache[table].flatten(0, 1)[:n].transpose(0, 1)
+        rep = heads // kv_heads
+        keys, values = keys.repeat_interleave(rep, 0), values.repeat_interleave(rep, 0)
+        out.append(torch.nn.functional.scaled_dot_product_attention(q[row, :, None], keys, values))
+    return torch.stack(out)[:, :, 0]
+
+
+@pytest.mark.parametrize(
+    "lens, heads, kv_heads",
+    [
+        ([37], 4, 2),  # one sequence
+        ([5, 16, 17, 33, 64, 1, 40], 4, 2),  # mixed lengths: padding masked out
+        ([20, 20, 20, 20], 6, 3),  # equal lengths, 2 query heads per KV head
+        ([3, 48, 9, 31, 16], 4, 4),  # no grouping
+        ([12, 50, 7, 29], 4, 1),  # one KV head for all
+    ],
+)
+def test_decode_paths_equal_each_sequence_alone(lens, heads, kv_heads):
+    from pdserve.model.attention import GatherBuffer, _decode_bags, _decode_sdpa
+
+    q, k_cache, v_cache, group, tables = decode_inputs(lens, heads, kv_heads, seed=len(lens))
+    order = group.token_indices.tolist()  # sequence i fed as token i of the step
+    want = reference_decode(q, k_cache, v_cache, tables, lens, order)
+    for path in (_decode_bags, _decode_sdpa):
+        got = path(q, k_cache, v_cache, group, GatherBuffer())
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_decode_bags_serves_batches_of_float32_on_cpu():
+    from pdserve.model.attention import BAGS_MIN_BATCH, _bags_apply
+
+    cache = torch.zeros(2, BLOCK, 2, 8)
+    q = torch.zeros(BAGS_MIN_BATCH, 4, 8)
+    assert _bags_apply(q, cache, cache)
+    assert not _bags_apply(q[:1], cache, cache)  # one sequence: SDPA
+    assert not _bags_apply(q.bfloat16(), cache.bfloat16(), cache.bfloat16())
+    assert not _bags_apply(torch.zeros(BAGS_MIN_BATCH, 16, 8), torch.zeros(2, BLOCK, 8, 8), cache)

@@ -6,10 +6,13 @@ layer then reuses them:
 
 1. `write_kv` stores the step's new K/V at `slot_mapping` (slot = block * block_size + offset).
 2. `paged_attention` attends:
-   - decode slices (num_new == 1) are batched into padded SDPA calls: their context is
-     gathered block-wise through a padded block table (into a reused `GatherBuffer`) and the
-     padding is masked out. Sorted by length and cut into groups of bounded padded size, so
-     one long sequence does not make every short one pay for its length;
+   - decode slices (num_new == 1) are batched into padded groups: sorted by length and cut
+     into groups of bounded padded size, so one long sequence does not make every short one
+     pay for its length; the padding is masked out. Their keys are gathered block-wise through
+     a padded block table (into a reused `GatherBuffer`). On CPU in float32 (see
+     `_decode_bags`) the values are never gathered: one `embedding_bag` sums the value rows,
+     weighted by the attention probabilities, straight from the cache; elsewhere the values
+     are gathered too and one SDPA call attends;
    - prefill/chunk slices (num_new > 1) get one SDPA call each. A fresh prompt (nothing cached
      before) attends to its own K/V with a plain causal mask; a chunk after a cached prefix
      attends in two parts, the gathered prefix (no mask) and its own K/V (causal), merged by
@@ -32,7 +35,7 @@ the slots those tables name.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -75,18 +78,42 @@ class PrefillSlice:
 
 @dataclass(frozen=True)
 class DecodeGroup:
-    """Some num_new == 1 slices of a step, attended in one padded SDPA call.
+    """Some num_new == 1 slices of a step, attended together over a padded context.
 
     `token_indices` [B]: their places in the step; `block_tables` [B, max_blocks]: padded with
     block 0 (masked out); `mask` [B, 1, 1, max_blocks * block_size], True = attend; `bias`
     the same as an additive float32 mask (0 / -inf), built once per step because SDPA would
-    otherwise convert the boolean mask again in every layer.
+    otherwise convert the boolean mask again in every layer; `slots` [B, max_blocks *
+    block_size]: the cache slot of every padded key position.
     """
 
     token_indices: torch.Tensor
     block_tables: torch.Tensor
     mask: torch.Tensor
     bias: torch.Tensor
+    slots: torch.Tensor
+    _bags: dict[tuple[int, int, float], tuple[torch.Tensor, torch.Tensor]] = field(
+        default_factory=dict, compare=False, repr=False
+    )
+
+    def bag_layout(
+        self, heads: int, kv_heads: int, scale: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-step constants of `_decode_bags`, built by the first layer that asks and kept
+        in `_bags` for the others (a group lives for one step).
+
+        `rows` [B, heads, padded]: each query head's value row (slot * kv_heads + its KV
+        head) per key position, the bags of `embedding_bag`; `head_scale` [heads, kv_heads,
+        1] (float32): `scale` where a query head reads a KV head, else 0.
+        """
+        key = (heads, kv_heads, scale)
+        if key not in self._bags:
+            device = self.slots.device
+            kv_of_head = torch.arange(heads, device=device) // (heads // kv_heads)
+            rows = self.slots.unsqueeze(1) * kv_heads + kv_of_head.view(1, heads, 1)
+            reads = kv_of_head[:, None] == torch.arange(kv_heads, device=device)
+            self._bags[key] = (rows, reads.unsqueeze(-1) * scale)
+        return self._bags[key]
 
 
 @dataclass(frozen=True)
@@ -94,7 +121,8 @@ class AttentionMetadata:
     """Per-step index tensors shared by every layer. Built by `build_attention_metadata`.
 
     `logits_indices` [num_slices]: index in the step of each slice's last new token (the
-    rows whose logits the sampler needs).
+    rows whose logits the sampler needs). `decode_in_order`: the step is one decode group
+    holding every token in step order, so attention needs no reordering of q and out.
     """
 
     num_tokens: int
@@ -103,6 +131,7 @@ class AttentionMetadata:
     logits_indices: torch.Tensor
     prefills: tuple[PrefillSlice, ...]
     decodes: tuple[DecodeGroup, ...]
+    decode_in_order: bool = False
 
 
 DEFAULT_DECODE_GROUP_TOKENS = 32768
@@ -143,6 +172,8 @@ def build_attention_metadata(
         logits_indices=torch.tensor(last, dtype=torch.long, device=device),
         prefills=tuple(prefills),
         decodes=tuple(_decode_group(g, block_size, device) for g in groups),
+        decode_in_order=len(groups) == 1
+        and [i for i, _ in groups[0]] == list(range(len(positions))),
     )
 
 
@@ -204,11 +235,14 @@ def _decode_group(
     ctx = torch.tensor(lens, dtype=torch.long, device=device)
     keys = torch.arange(width * block_size, device=device)
     mask = (keys[None, :] < ctx[:, None]).view(len(decodes), 1, 1, -1)
+    block_tables = torch.tensor(tables, dtype=torch.long, device=device)
+    offsets = torch.arange(block_size, device=device)
     return DecodeGroup(
         token_indices=torch.tensor([i for i, _ in decodes], dtype=torch.long, device=device),
-        block_tables=torch.tensor(tables, dtype=torch.long, device=device),
+        block_tables=block_tables,
         mask=mask,
         bias=torch.zeros(mask.shape, device=device).masked_fill_(~mask, float("-inf")),
+        slots=(block_tables.unsqueeze(-1) * block_size + offsets).flatten(1),
     )
 
 
@@ -276,6 +310,8 @@ def paged_attention(
     `k`/`v` are this step's new keys/values, already written by `write_kv`; scale is
     1/sqrt(head_dim).
     """
+    if meta.decode_in_order:  # the common all-decode step: skip three copies per layer
+        return _decode(q, k_cache, v_cache, meta.decodes[0], scratch)
     out = torch.empty_like(q)
     for p in meta.prefills:
         out[p.start : p.end] = _prefill(q[p.start : p.end], k, v, k_cache, v_cache, p, scratch)
@@ -348,6 +384,76 @@ def _decode(
     g: DecodeGroup,
     scratch: GatherBuffer,
 ) -> torch.Tensor:
+    """Attention of a decode group's queries ([B, heads, head_dim]) -> same shape."""
+    if _bags_apply(q, k_cache, v_cache):
+        return _decode_bags(q, k_cache, v_cache, g, scratch)
+    return _decode_sdpa(q, k_cache, v_cache, g, scratch)
+
+
+BAGS_MIN_BATCH = 4
+
+
+def _bags_apply(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Whether `_decode_bags` serves this group.
+
+    CPU float32 only (measured there; other dtypes take embedding_bag's slow paths); at most
+    4 KV heads (its score matmul does kv_heads times the needed multiply-adds: free while
+    decode is memory-bound, not with many KV heads); and from BAGS_MIN_BATCH sequences on:
+    below that the two paths measured the same within noise, and SDPA is the simpler one.
+    """
+    return (
+        q.device.type == "cpu"
+        and q.dtype == k_cache.dtype == v_cache.dtype == torch.float32
+        and k_cache.shape[-2] <= 4
+        and q.shape[0] >= BAGS_MIN_BATCH
+    )
+
+
+def _decode_bags(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    g: DecodeGroup,
+    scratch: GatherBuffer,
+) -> torch.Tensor:
+    """Decode attention that gathers only the keys (CPU float32).
+
+    SDPA needs gathered, padded K and V; its CPU kernel and the two copies cost ~3x the
+    bytes of reading the context once. Here the keys are gathered (one block-wise copy) and
+    scored by one batched matmul of the contiguous [padded, kv_heads * head_dim] keys with a
+    block-diagonal query (each query head zero outside its KV head: MKL ran this tall shape
+    1.6-1.8x faster than per-head or transposed forms). The values are summed straight
+    from the cache by `embedding_bag`, weighted by the probabilities (padding has weight 0;
+    the cache holds no NaN, see KVCache.allocate).
+    """
+    batch, heads, dim = q.shape
+    kv_heads = k_cache.shape[-2]
+    rows, head_scale = g.bag_layout(heads, kv_heads, dim**-0.5)
+    keys = scratch.pair(g.block_tables.numel(), k_cache)[0]  # the V half stays unused
+    torch.index_select(k_cache, 0, g.block_tables.flatten(), out=keys)
+    wide_q = (q.unsqueeze(2) * head_scale).view(batch, heads, kv_heads * dim)
+    scores = torch.bmm(keys.view(batch, -1, kv_heads * dim), wide_q.transpose(1, 2))
+    # Masked into a contiguous [B, heads, padded] tensor: softmax then runs over contiguous
+    # rows, and the weights are already in embedding_bag's order (no copy).
+    masked = torch.empty(batch, heads, scores.shape[1], dtype=q.dtype, device=q.device)
+    torch.add(scores.transpose(1, 2), g.bias.view(batch, 1, -1), out=masked)
+    out = F.embedding_bag(
+        rows.view(batch * heads, -1),
+        v_cache.view(-1, dim),
+        mode="sum",
+        per_sample_weights=torch.softmax(masked, dim=-1).view(batch * heads, -1),
+    )
+    return out.view(batch, heads, dim)
+
+
+def _decode_sdpa(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    g: DecodeGroup,
+    scratch: GatherBuffer,
+) -> torch.Tensor:
+    """Decode attention over gathered K and V in one masked SDPA call (any device/dtype)."""
     batch, heads, dim = q.shape
     kv_heads = k_cache.shape[-2]
     keys, values = _gather(k_cache, v_cache, g.block_tables.flatten(), scratch)

@@ -24,6 +24,14 @@ from pdserve.model.rope import RotaryEmbedding, apply_rotary
 from pdserve.model.spec import ModelSpec
 
 
+def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x * rsqrt(mean(x^2) + eps) over the last dim, in float32 and cast back (no weight)."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, x.shape[-1:], None, eps)
+    h = x.float()
+    return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
 class RMSNorm(nn.Module):
     """RMSNorm computed in float32 and cast back before the weight, as transformers does."""
 
@@ -33,11 +41,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:  # one fused op instead of six (a decode step runs 17)
+        if x.dtype == torch.float32:  # one fused op instead of six (a decode step runs 13)
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+        return self.weight * rms_normalize(x, self.eps)
 
 
 class Attention(nn.Module):
@@ -62,16 +68,28 @@ class Attention(nn.Module):
         scratch: GatherBuffer,
     ) -> torch.Tensor:
         n, s = x.shape[0], self.spec
-        q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
-        q = q.view(n, s.num_heads, s.head_dim)
-        k = k.view(n, s.num_kv_heads, s.head_dim)
-        v = v.view(n, s.num_kv_heads, s.head_dim)
+        qkv = self.qkv_proj(x)
+        # q and k side by side ([n, heads + kv_heads, head_dim]), normed and rotated together:
+        # one norm and one rotation instead of two each (a decode step is many small ops).
+        qk = qkv[:, : s.q_size + s.kv_size].view(n, s.num_heads + s.num_kv_heads, s.head_dim)
+        v = qkv[:, s.q_size + s.kv_size :].view(n, s.num_kv_heads, s.head_dim)
         if s.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+            qk = self._qk_norm(qk)
+        q, k = apply_rotary(qk, *rope).split((s.num_heads, s.num_kv_heads), dim=1)
         write_kv(*kv, k, v, meta.slot_mapping)
         out = paged_attention(q, k, v, *kv, meta, scratch)
-        return self.o_proj(out.view(n, s.q_size))
+        return self.o_proj(out.reshape(n, s.q_size))
+
+    def _qk_norm(self, qk: torch.Tensor) -> torch.Tensor:
+        """q_norm on the query heads and k_norm on the key heads, in one normalisation."""
+        s = self.spec
+        weight = torch.cat(
+            (
+                self.q_norm.weight.expand(s.num_heads, s.head_dim),
+                self.k_norm.weight.expand(s.num_kv_heads, s.head_dim),
+            )
+        )
+        return weight * rms_normalize(qk, s.rms_norm_eps)
 
 
 class MLP(nn.Module):

@@ -1,8 +1,9 @@
 """Rotary position embedding, Hugging Face / GPT-NeoX layout (rotate_half over two halves).
 
 The cos/sin table is computed once per model (float32, for every position up to the model's
-length) and indexed by the step's positions; the per-step cost is one gather and a few
-elementwise ops. Frequencies follow transformers' `modeling_rope_utils` exactly so logits match.
+length) and indexed by the step's positions; the per-step cost is one gather and three
+elementwise ops per rotation (the sign of rotate_half is folded into the sin table).
+Frequencies follow transformers' `modeling_rope_utils` exactly so logits match.
 """
 
 from __future__ import annotations
@@ -61,21 +62,29 @@ class RotaryEmbedding:
         emb = torch.cat((freqs, freqs), dim=-1)
         self.max_positions = max_positions
         self.cos = emb.cos().to(device)
-        self.sin = emb.sin().to(device)
+        sin = emb.sin()
+        # rotate_half(x) * sin == swap_halves(x) * signed_sin: the negation moves into the
+        # table (exact in IEEE), saving a negation per rotation.
+        self.signed_sin = torch.cat((-sin[:, : head_dim // 2], sin[:, head_dim // 2 :]), -1)
+        self.signed_sin = self.signed_sin.to(device)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-        """cos and sin rows for `positions` ([T] -> two [T, 1, head_dim]), cast to `dtype`."""
+        """cos and signed sin rows for `positions` ([T] -> two [T, 1, head_dim]) in `dtype`.
+
+        The pair `apply_rotary` takes: signed sin is sin with its first half negated.
+        """
         cos = self.cos.index_select(0, positions).to(dtype)
-        sin = self.sin.index_select(0, positions).to(dtype)
+        sin = self.signed_sin.index_select(0, positions).to(dtype)
         return cos.unsqueeze(1), sin.unsqueeze(1)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    """[x1, x2] -> [-x2, x1] over the last dimension."""
+def swap_halves(x: torch.Tensor) -> torch.Tensor:
+    """[x1, x2] -> [x2, x1] over the last dimension."""
     x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+    return torch.cat((x2, x1), dim=-1)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x ([T, heads, head_dim]) by the per-token angles in cos/sin ([T, 1, head_dim])."""
-    return x * cos + rotate_half(x) * sin
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x ([T, heads, head_dim]) by the per-token angles from `RotaryEmbedding.cos_sin`
+    ([T, 1, head_dim] each): x * cos + rotate_half(x) * sin, in three ops."""
+    return torch.addcmul(x * cos, swap_halves(x), signed_sin)
