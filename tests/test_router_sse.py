@@ -74,3 +74,19 @@ def test_annotation_goes_into_the_first_json_event_whatever_the_chunking(cuts: l
     assert head["pdserve"] == {"prefill_done": 1.5}
     assert head["choices"] == msgspec.json.decode(HEAD[6:])["choices"]
     assert out.endswith(TOKEN + b"data: [DONE]\n\n")
+
+
+def test_annotation_keeps_line_separators_escaped_at_every_cut() -> None:
+    # Re-encoding the first event must not write U+2028/2029/0085 raw: clients that split
+    # lines like str.splitlines (httpx's aiter_lines) would cut that event in two.
+    text = "a\u2028b\u2029c\x85d é"
+    first = _event({"choices": [{"index": 0, "text": text}]})
+    stream = first + TOKEN + b"data: [DONE]\n\n"
+    for cut in range(len(stream) + 1):
+        annotator = EventAnnotator({"prefill_done": 1.5})
+        out = annotator.feed(stream[:cut]) + annotator.feed(stream[cut:]) + annotator.flush()
+        annotated, rest = out.split(b"\n\n", 1)
+        assert annotated.decode().splitlines() == [annotated.decode()], cut
+        payload = msgspec.json.decode(annotated[len(b"data: ") :])
+        assert payload["choices"][0]["text"] == text and payload["pdserve"]["prefill_done"] == 1.5
+        assert rest == TOKEN + b"data: [DONE]\n\n"

@@ -61,7 +61,8 @@ class _Req:
 
 class FakeEngine:
     """Scripted LLMEngine: one token per step per request. Prompts starting with "FAIL"
-    end in an ERROR, prompts starting with "HANG" never produce a token."""
+    end in an ERROR, prompts starting with "HANG" never produce a token, prompts starting
+    with "NEL" generate U+0085 (a line break for str.splitlines, not for SSE)."""
 
     def __init__(self, num_blocks: int = 32) -> None:
         self.tokenizer = CharTokenizer()
@@ -111,7 +112,7 @@ class FakeEngine:
         if prompt.startswith("FAIL"):
             del self.requests[req.er.request_id]
             return self._output(req, [], FinishReason.ERROR, "injected failure")
-        token = ord("a") + len(req.out) % 26
+        token = 0x85 if prompt.startswith("NEL") else ord("a") + len(req.out) % 26
         req.out.append(token)
         reason = None
         if req.detok.append(token):
@@ -307,6 +308,15 @@ def test_completion_stream_with_usage(client: TestClient) -> None:
     assert chunks[-1]["choices"] == []
     assert chunks[-1]["usage"] == {"prompt_tokens": 2, "completion_tokens": 4, "total_tokens": 6}
     assert len({c["id"] for c in chunks}) == 1
+
+
+def test_stream_escapes_unicode_line_separators(client: TestClient) -> None:
+    # Written raw, U+0085 made clients that split lines like str.splitlines (httpx's
+    # aiter_lines) cut the data line in two.
+    resp = complete(client, prompt="NEL", max_tokens=2, stream=True)
+    assert "\x85" not in resp.text and "\\u0085" in resp.text
+    chunks = sse_events(resp.text)[:-1]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == "\x85\x85"
 
 
 def test_chat_stream(client: TestClient) -> None:

@@ -25,9 +25,11 @@ import msgspec
 
 from pdserve.bench.dataset import BenchRequest
 from pdserve.bench.metrics import RequestRecord
+from pdserve.bench.sse_lines import aiter_sse_lines
 
 PREFILL_DONE_HEADER = "x-pdserve-prefill-done"
 _MAX_ERROR_BODY = 500
+_MAX_LINE_EXCERPT = 80  # each end of a malformed data line quoted in its error
 
 
 class EndpointError(RuntimeError):
@@ -134,14 +136,18 @@ class StreamTimer:
         self.done = False
 
     def feed_line(self, line: str, now: float) -> None:
-        """Take one line of the event stream; raises StreamError on an error event."""
+        """Take one line of the event stream; raises StreamError on an error event or a
+        data line that is not a whole chunk (a stream cut mid-event)."""
         if not line.startswith("data:"):
             return  # blank separators, comments (":" pings), event/id fields
         data = line[len("data:") :].strip()
         if data == "[DONE]":
             self.done = True
             return
-        chunk = _CHUNK_DECODER.decode(data)
+        try:
+            chunk = _CHUNK_DECODER.decode(data)
+        except msgspec.DecodeError as exc:
+            raise StreamError(f"malformed data line ({exc}): {_excerpt(data)}") from None
         if chunk.error is not None:
             message = chunk.error if isinstance(chunk.error, str) else chunk.error.message
             raise StreamError(f"error event: {message}")
@@ -175,6 +181,13 @@ class StreamTimer:
             handoff=handoff,
             generated_text="".join(self.text),
         )
+
+
+def _excerpt(data: str) -> str:
+    """`data` quoted, or its two ends if long (the end shows where a line was cut)."""
+    if len(data) <= 2 * _MAX_LINE_EXCERPT:
+        return repr(data)
+    return f"{data[:_MAX_LINE_EXCERPT]!r}...{data[-_MAX_LINE_EXCERPT:]!r} ({len(data)} chars)"
 
 
 def _header_time(response: httpx.Response) -> float | None:
@@ -212,7 +225,8 @@ async def _stream(
             body = (await resp.aread()).decode(errors="replace").strip()
             raise StreamError(f"HTTP {resp.status_code}: {body[:_MAX_ERROR_BODY]}")
         timer.prefill_done = _header_time(resp)
-        async for line in resp.aiter_lines():
+        # Not resp.aiter_lines(): it also splits at U+2028, U+2029 and U+0085 (see sse_lines).
+        async for line in aiter_sse_lines(resp.aiter_bytes()):
             timer.feed_line(line, clock.now())
 
 

@@ -26,6 +26,7 @@ import msgspec
 import numpy as np
 
 from pdserve.bench.soak_report import cause_of_exception, cause_of_http, cause_of_stream_error
+from pdserve.bench.sse_lines import aiter_sse_lines
 
 Status = Literal["completed", "aborted", "failed"]
 
@@ -183,7 +184,7 @@ async def _stream_until_abort(
         if resp.status_code != 200:
             body = await resp.aread()
             raise _Failed(cause_of_http(resp.status_code, body), body.decode(errors="replace"))
-        async for line in resp.aiter_lines():
+        async for line in aiter_sse_lines(resp.aiter_bytes()):  # not aiter_lines (see sse_lines)
             if not line.startswith("data:"):
                 continue
             data = line[len("data:") :].strip()

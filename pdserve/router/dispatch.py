@@ -73,6 +73,7 @@ from pdserve.router.prompt_size import (
 )
 from pdserve.router.sse import EventAnnotator, StreamStartDetector
 from pdserve.server.errors import APIError
+from pdserve.server.sse import data_event_bytes
 
 log = logging.getLogger(__name__)
 
@@ -528,7 +529,7 @@ class DecodeRelay:
             outcome = str(self._start.response.status_code)
         except (httpx.HTTPError, InstanceEjected) as exc:
             outcome = "ejected" if isinstance(exc, InstanceEjected) else "stream_error"
-            yield b"data: " + msgspec.json.encode(self._on_error(exc).body()) + b"\n\n"
+            yield data_event_bytes(msgspec.json.encode(self._on_error(exc).body()))
         finally:
             ejected.cancel()
             await self.close(outcome)

@@ -14,6 +14,8 @@ from typing import Any
 
 import msgspec
 
+from pdserve.server.sse import data_event_bytes
+
 # A stream that sends this much without a substantive event is taken as started anyway.
 MAX_HELD_BYTES = 64 * 1024
 
@@ -120,4 +122,4 @@ def _annotate(event: bytes, note: dict[str, Any]) -> bytes | None:
     if not isinstance(payload, dict):
         return None
     payload["pdserve"] = note
-    return b"data: " + msgspec.json.encode(payload) + b"\n\n"
+    return data_event_bytes(msgspec.json.encode(payload))

@@ -43,6 +43,7 @@ from pdserve.server.serving import (
     finish_error,
     kv_transfer_params_of,
 )
+from pdserve.server.sse import data_event
 from pdserve.server.transfers import TransferClaim, TransferGate
 from pdserve.transfer.metrics import ConnectorCollector
 
@@ -229,8 +230,8 @@ async def _sse_events(
 
 def _sse(payload: BaseModel | dict) -> str:
     if isinstance(payload, BaseModel):
-        return f"data: {payload.model_dump_json()}\n\n"
-    return f"data: {JSONResponse(payload).body.decode()}\n\n"
+        return data_event(payload.model_dump_json())
+    return data_event(JSONResponse(payload).body.decode())
 
 
 class _SSEResponse(StreamingResponse):
