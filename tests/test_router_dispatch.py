@@ -274,6 +274,22 @@ def test_decode_dying_mid_stream_ends_with_sse_error() -> None:
     assert '"error"' in events[-1] and "decode instance" in events[-1]
 
 
+def test_decode_dying_inside_an_event_drops_the_half_event() -> None:
+    with (
+        FakeInstance("prefill") as p,
+        FakeInstance("decode", num_chunks=5, die_after_chunks=2, die_inside_an_event=True) as d,
+        running_router([p], [d]) as r,
+    ):
+        resp = httpx.post(f"{r}/v1/completions", json={**PROMPT, "stream": True})
+    assert resp.status_code == 200
+    events = [e for e in resp.text.split("\n\n") if e]
+    assert len(events) == 3  # two whole token events, then the router's error event
+    for event in events:
+        assert event.startswith("data: ") and "\n" not in event, event
+        json.loads(event.removeprefix("data: "))  # every event is whole JSON
+    assert '"error"' in events[-1] and "decode instance" in events[-1]
+
+
 def test_no_healthy_decode_is_503_and_health_reports_it() -> None:
     with (
         FakeInstance("prefill") as p,

@@ -94,6 +94,7 @@ class Behavior:
     num_chunks: int = 3
     chunk_delay_s: float = 0.0
     die_after_chunks: int | None = None  # drop the connection mid-stream (a crashed D)
+    die_inside_an_event: bool = False  # ... after sending the first half of an event
     # Go silent mid-stream (a frozen D) until `resume` is set, at most hold_timeout_s.
     stall_after_chunks: int | None = None
     resume: threading.Event | None = None
@@ -256,6 +257,9 @@ async def _stream(fake: FakeInstance, rec: Received, request: Request) -> AsyncI
             return
         for i in range(b.num_chunks):
             if i == b.die_after_chunks:
+                if b.die_inside_an_event:
+                    yield b'data: {"id":"cmpl-fake","choices":[{"index":0,"te'
+                    await asyncio.sleep(0.05)  # sent on its own, before the connection drops
                 raise RuntimeError("fake decode instance died mid-stream")
             if i == b.stall_after_chunks:
                 await _stall(b)

@@ -71,7 +71,7 @@ from pdserve.router.prompt_size import (
     token_id_count,
     tokenized_count,
 )
-from pdserve.router.sse import EventAnnotator, StreamStartDetector
+from pdserve.router.sse import CompleteEvents, EventAnnotator, StreamStartDetector
 from pdserve.server.errors import APIError
 from pdserve.server.sse import data_event_bytes
 
@@ -513,8 +513,9 @@ class DecodeRelay:
         line has already gone out)."""
         outcome = "client_disconnect"  # what a cancellation or early close means
         ejected = asyncio.ensure_future(self._leg.ejected.wait())
+        whole = CompleteEvents()
         try:
-            if out := self._annotated(self._start.first_chunk):
+            if out := whole.feed(self._annotated(self._start.first_chunk)):
                 yield out
             assert self._start.chunks is not None
             while (
@@ -522,12 +523,14 @@ class DecodeRelay:
                     _next_chunk(self._start.chunks), ejected, self._ejected_grace_s
                 )
             ) is not None:
-                if out := self._annotated(chunk):
+                if out := whole.feed(self._annotated(chunk)):
                     yield out
-            if self._annotator is not None and (out := self._annotator.flush()):
+            tail = self._annotator.flush() if self._annotator is not None else b""
+            if out := whole.feed(tail) + whole.flush():
                 yield out
             outcome = str(self._start.response.status_code)
         except (httpx.HTTPError, InstanceEjected) as exc:
+            # Half an event may be held in `whole`: dropped, so the error event stands alone.
             outcome = "ejected" if isinstance(exc, InstanceEjected) else "stream_error"
             yield data_event_bytes(msgspec.json.encode(self._on_error(exc).body()))
         finally:

@@ -105,6 +105,33 @@ class EventAnnotator:
         return held
 
 
+class CompleteEvents:
+    """Passes on only whole events, holding back the bytes after the last event's end, so
+    that a stream cut inside an event never forwards half of it: the router's own error
+    event then follows a clean boundary instead of completing a truncated line. Owned by
+    one relay; no cost to a stream whose chunks end at event boundaries (D's do)."""
+
+    def __init__(self) -> None:
+        self._held = b""
+
+    def feed(self, data: bytes) -> bytes:
+        data = self._held + data
+        end = _last_event_end(data)
+        self._held = data[end:]
+        return data[:end]
+
+    def flush(self) -> bytes:
+        """The held tail, at a clean end of the stream (D closed it itself)."""
+        held, self._held = self._held, b""
+        return held
+
+
+def _last_event_end(buffer: bytes) -> int:
+    """Index just past the last complete event in `buffer`, or 0."""
+    ends = [i + len(sep) for sep in (b"\n\n", b"\r\n\r\n") if (i := buffer.rfind(sep)) >= 0]
+    return max(ends, default=0)
+
+
 def _event_end(buffer: bytes) -> int:
     """Index just past the first complete event in `buffer`, or 0."""
     ends = [i + len(sep) for sep in (b"\n\n", b"\r\n\r\n") if (i := buffer.find(sep)) >= 0]
