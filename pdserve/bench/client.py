@@ -22,10 +22,10 @@ from dataclasses import dataclass
 
 import httpx
 import msgspec
+from httpx_sse import EventSource
 
 from pdserve.bench.dataset import BenchRequest
 from pdserve.bench.metrics import RequestRecord
-from pdserve.bench.sse_lines import aiter_sse_lines
 
 PREFILL_DONE_HEADER = "x-pdserve-prefill-done"
 _MAX_ERROR_BODY = 500
@@ -136,11 +136,13 @@ class StreamTimer:
         self.done = False
 
     def feed_line(self, line: str, now: float) -> None:
-        """Take one line of the event stream; raises StreamError on an error event or a
-        data line that is not a whole chunk (a stream cut mid-event)."""
-        if not line.startswith("data:"):
-            return  # blank separators, comments (":" pings), event/id fields
-        data = line[len("data:") :].strip()
+        """Take one line of the event stream (see `feed_data`)."""
+        if line.startswith("data:"):  # else blank separators, ":" pings, event/id fields
+            self.feed_data(line[len("data:") :].strip(), now)
+
+    def feed_data(self, data: str, now: float) -> None:
+        """Take one event's data; raises StreamError on an error event or data that is not
+        a whole chunk (a stream cut mid-event)."""
         if data == "[DONE]":
             self.done = True
             return
@@ -225,9 +227,10 @@ async def _stream(
             body = (await resp.aread()).decode(errors="replace").strip()
             raise StreamError(f"HTTP {resp.status_code}: {body[:_MAX_ERROR_BODY]}")
         timer.prefill_done = _header_time(resp)
-        # Not resp.aiter_lines(): it also splits at U+2028, U+2029 and U+0085 (see sse_lines).
-        async for line in aiter_sse_lines(resp.aiter_bytes()):
-            timer.feed_line(line, clock.now())
+        # Not resp.aiter_lines(): it also splits at U+2028, U+2029 and U+0085, which JSON
+        # may carry raw; httpx-sse splits lines at CR and LF only, as SSE does.
+        async for event in EventSource(resp).aiter_sse():
+            timer.feed_data(event.data, clock.now())
 
 
 async def send_request(

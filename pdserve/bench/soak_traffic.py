@@ -24,9 +24,9 @@ from typing import Literal
 import httpx
 import msgspec
 import numpy as np
+from httpx_sse import EventSource
 
 from pdserve.bench.soak_report import cause_of_exception, cause_of_http, cause_of_stream_error
-from pdserve.bench.sse_lines import aiter_sse_lines
 
 Status = Literal["completed", "aborted", "failed"]
 
@@ -184,10 +184,9 @@ async def _stream_until_abort(
         if resp.status_code != 200:
             body = await resp.aread()
             raise _Failed(cause_of_http(resp.status_code, body), body.decode(errors="replace"))
-        async for line in aiter_sse_lines(resp.aiter_bytes()):  # not aiter_lines (see sse_lines)
-            if not line.startswith("data:"):
-                continue
-            data = line[len("data:") :].strip()
+        # httpx-sse, not aiter_lines: that also splits at U+2028/U+2029/U+0085 inside JSON.
+        async for event in EventSource(resp).aiter_sse():
+            data = event.data
             if data == "[DONE]":
                 return True
             chunk = _CHUNK.decode(data)
