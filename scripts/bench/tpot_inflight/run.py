@@ -13,7 +13,6 @@ usage: run.py OUTDIR [--modes push pull] [--rounds 2]  (run under flock /work/no
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import re
@@ -26,10 +25,12 @@ import urllib.request
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from procstat import cpu_s, run_delay_s
+
 REPO = Path(__file__).resolve().parents[3]
 PY = str(REPO / ".venv/bin/python")
 PYSPY = REPO / ".venv/bin/py-spy"
-TICK = os.sysconf("SC_CLK_TCK")
 
 
 @dataclass(frozen=True)
@@ -103,20 +104,6 @@ def kv_received(url: str) -> float:
     body = urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()
     m = re.search(r"^pdserve_kv_received_total\S*\s+(\S+)", body, re.M)
     return float(m.group(1)) if m else float("nan")
-
-
-def cpu_s(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICK  # utime + stime
-
-
-def run_delay_s(pid: int) -> float:
-    """Seconds D's threads sat runnable waiting for a CPU (schedstat field 2, all threads)."""
-    total = 0
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        with contextlib.suppress(FileNotFoundError, ProcessLookupError):
-            total += int(Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()[1])
-    return total / 1e9
 
 
 def probe(c: Cluster) -> dict[str, float]:

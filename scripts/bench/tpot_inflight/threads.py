@@ -10,14 +10,13 @@ usage: threads.py UP_LOG OUT_JSON
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-PYSPY = Path(__file__).resolve().parents[3] / ".venv/bin/py-spy"
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from procstat import thread_cpu, thread_names
 
 
 def decode_pid(up_log: Path) -> int:
@@ -28,30 +27,11 @@ def decode_pid(up_log: Path) -> int:
         time.sleep(1)
 
 
-def names(pid: int) -> dict[str, str]:
-    dump = subprocess.run(
-        [str(PYSPY), "dump", "--nonblocking", "--pid", str(pid)], capture_output=True, text=True
-    ).stdout
-    return dict(re.findall(r"^Thread (\d+) \([^)]*\): \"([^\"]+)\"", dump, re.M))
-
-
-def thread_cpu(pid: int) -> dict[str, float]:
-    tick = os.sysconf("SC_CLK_TCK")
-    out = {}
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            f = Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        out[tid] = (int(f[11]) + int(f[12])) / tick
-    return out
-
-
 def main() -> None:
     up_log, out = Path(sys.argv[1]), Path(sys.argv[2])
     pid = decode_pid(up_log)
     time.sleep(15)  # the transfer threads start with the first request
-    label = names(pid)
+    label = thread_names(pid)
     best: dict[str, float] = {}
     while Path(f"/proc/{pid}").exists():
         for tid, s in thread_cpu(pid).items():

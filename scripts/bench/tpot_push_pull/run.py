@@ -26,10 +26,11 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from procstat import run_delay_s, thread_cpu, thread_names
+
 REPO = Path(__file__).resolve().parents[3]
 PY = str(REPO / ".venv/bin/python")
-PYSPY = str(REPO / ".venv/bin/py-spy")
-TICK = os.sysconf("SC_CLK_TCK")
 MODES = ("push", "pull")
 
 
@@ -60,35 +61,6 @@ def wait_ready(mode: str, out: Path, popen: subprocess.Popen) -> dict[str, int]:
     if len(found) != 3:
         sys.exit(f"cluster {mode} did not start; see {out}/up-{mode}.log")
     return {role: int(pid) for role, pid in found.items()}
-
-
-def thread_names(pid: int) -> dict[str, str]:
-    dump = subprocess.run(
-        [PYSPY, "dump", "--nonblocking", "--pid", str(pid)], capture_output=True, text=True
-    ).stdout
-    return dict(re.findall(r"^Thread (\d+) \([^)]*\): \"([^\"]+)\"", dump, re.M))
-
-
-def thread_cpu(pid: int) -> dict[str, float]:
-    out = {}
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            f = Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        out[tid] = (int(f[11]) + int(f[12])) / TICK
-    return out
-
-
-def run_delay_s(pid: int) -> float:
-    """Seconds the threads of `pid` sat runnable waiting for a CPU (schedstat field 2)."""
-    total = 0
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            total += int(Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()[1])
-        except OSError:
-            continue
-    return total / 1e9
 
 
 def snapshot(pids: dict[str, int], idle: dict[str, int]) -> dict:
