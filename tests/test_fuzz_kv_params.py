@@ -169,11 +169,19 @@ def reference(loaded: LoadedModel) -> list[int]:
     return r.json()["choices"][0]["token_ids"]
 
 
-def make_pd(loaded: LoadedModel, mode: str, reference: list[int]) -> Iterator[PD]:
+def make_pd(
+    loaded: LoadedModel,
+    mode: str,
+    reference: list[int],
+    p_kw: dict[str, Any] = P_KW,
+    d_kw: dict[str, Any] = D_KW,
+) -> Iterator[PD]:
+    """A served P/D pair for a module's tests; on teardown both engines must still be
+    alive and both pools pass their integrity check."""
     stack: list[Callable[[], None]] = []
     try:
-        p = serve(make_engine(loaded, "prefill", mode, **P_KW), stack)
-        d = serve(make_engine(loaded, "decode", mode, **D_KW), stack)
+        p = serve(make_engine(loaded, "prefill", mode, **p_kw), stack)
+        d = serve(make_engine(loaded, "decode", mode, **d_kw), stack)
         pd = PD(p, d, mode, reference)
         yield pd
         for s in (p, d):

@@ -30,7 +30,7 @@ from pdserve.transfer.params import (
     verify,
 )
 from tests.pd_harness import make_engine
-from tests.test_fuzz_kv_params import PD, PROMPT, Served, serve
+from tests.test_fuzz_kv_params import PD, PROMPT, Served, make_pd, serve
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -55,16 +55,10 @@ def pd(loaded: LoadedModel) -> Iterator[PD]:
         mono = serve(make_engine(loaded, "both", "pull"), stack)
         r = mono.complete(PROMPT, None, return_token_ids=True)
         reference = r.json()["choices"][0]["token_ids"]
-        p = serve(make_engine(loaded, "prefill", "pull", **P_KW), stack)
-        d = serve(make_engine(loaded, "decode", "pull", **D_KW), stack)
-        yield PD(p, d, "pull", reference)
-        for s in (p, d):
-            assert s.engine.is_alive
     finally:
         for close in reversed(stack):
             close()
-    for s in (p, d):
-        s.llm.check_integrity()
+    yield from make_pd(loaded, "pull", reference, P_KW, D_KW)
 
 
 def held_blocks(s: Served) -> int:
