@@ -114,11 +114,21 @@ def test_metadata_slots_positions_and_logits_indices():
     assert not meta.decode_in_order  # a prefill shares the step
 
 
-@pytest.mark.parametrize("lens, in_order", [([40, 10], False), ([10, 40], True), ([7], True)])
-def test_metadata_flags_decode_only_steps_in_step_order(lens, in_order):
+@pytest.mark.parametrize(
+    "lens, group_tokens, in_order",
+    [
+        ([40, 10], 32768, True),  # one group: kept in step order, not sorted by length
+        ([40, 10], 48, False),  # two groups (sorted by length): attention reorders
+        ([10, 40], 48, False),
+        ([7], 32768, True),
+    ],
+)
+def test_metadata_flags_decode_only_steps_in_step_order(lens, group_tokens, in_order):
     tables = shuffled_tables(len(lens), 3)
     slices = [SeqSlice(t, n - 1, 1) for t, n in zip(tables, lens, strict=True)]
-    assert build_attention_metadata(slices, BLOCK, "cpu").decode_in_order is in_order
+    meta = build_attention_metadata(slices, BLOCK, "cpu", decode_group_tokens=group_tokens)
+    assert meta.decode_in_order is in_order
+    assert sorted(i for g in meta.decodes for i in g.token_indices.tolist()) == [*range(len(lens))]
 
 
 def test_metadata_rejects_short_block_table():
@@ -214,6 +224,56 @@ def test_decode_paths_equal_each_sequence_alone(lens, heads, kv_heads):
     for path in (_decode_bags, _decode_sdpa):
         got = path(q, k_cache, v_cache, group, GatherBuffer())
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "n, heads, kv_heads",
+    [(1, 4, 2), (16, 4, 2), (17, 4, 2), (37, 6, 3), (64, 4, 4), (50, 4, 1)],
+)
+def test_decode_one_equals_the_sequence_alone(n, heads, kv_heads):
+    """The one-sequence path cuts the gathered K/V at the context length instead of masking:
+    lengths at, just past and inside a block edge (a wrong cut would attend to padding)."""
+    from pdserve.model.attention import GatherBuffer, _decode_one
+
+    q, k_cache, v_cache, group, tables = decode_inputs([n], heads, kv_heads, seed=n)
+    want = reference_decode(q, k_cache, v_cache, tables, [n], [0])
+    got = _decode_one(q, k_cache, v_cache, group, GatherBuffer())
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_decode_routes_one_sequence_to_its_own_path(monkeypatch):
+    import pdserve.model.attention as attention
+
+    calls = []
+    monkeypatch.setattr(attention, "_decode_one", lambda q, *a: calls.append("one") or q)
+    monkeypatch.setattr(attention, "_decode_sdpa", lambda q, *a: calls.append("sdpa") or q)
+    monkeypatch.setattr(attention, "_decode_bags", lambda q, *a: calls.append("bags") or q)
+    for lens in ([9], [9, 30]):
+        q, k_cache, v_cache, group, _ = decode_inputs(lens, 4, 2, seed=1)
+        attention._decode(q, k_cache, v_cache, group, attention.GatherBuffer())
+    assert calls == ["one", "sdpa"]  # two sequences: below BAGS_MIN_BATCH, masked SDPA
+
+
+def test_decode_group_builds_mask_and_slots_only_when_asked():
+    (group,) = build_attention_metadata([SeqSlice([3, 8], 20, 1)], BLOCK, "cpu").decodes
+    assert group.context_lens == (21,)
+    assert "mask" not in vars(group) and "bias" not in vars(group)  # nothing built yet
+    assert group.mask.sum().item() == 21 and group.bias.isinf().sum().item() == 32 - 21
+    assert group.slots.tolist() == [
+        [3 * 16 + i for i in range(16)] + [8 * 16 + i for i in range(16)]
+    ]
+
+
+def test_long_tensor_keeps_its_values():
+    import gc
+
+    from pdserve.model.attention import long_tensor
+
+    values = [0, 5, 2**40, 7]
+    t = long_tensor(list(values), "cpu")
+    gc.collect()  # the list is gone; the tensor must still own its buffer
+    assert t.dtype == torch.long and t.tolist() == values
+    assert long_tensor([], "cpu").shape == (0,)
 
 
 def test_decode_bags_serves_batches_of_float32_on_cpu():

@@ -133,3 +133,12 @@ def test_remote_admission_keeps_headroom_for_running_requests() -> None:
     s2.add(small)
     s2.schedule()  # an idle instance admits even a large prompt
     assert admitted == ["small"] and small.block_ids == list(range(8))
+
+
+def test_request_token_ids_spans_prompt_and_outputs() -> None:
+    r = req("a", 5)
+    r.output_token_ids += [50, 51, 52]
+    everything = [0, 1, 2, 3, 4, 50, 51, 52]
+    for start in range(8):
+        for end in range(start, 9):
+            assert r.token_ids(start, end) == everything[start:end]

@@ -61,7 +61,9 @@ class Request:
         p = len(self.prompt_token_ids)
         if end <= p:
             return self.prompt_token_ids[start:end]
-        return (self.prompt_token_ids + self.output_token_ids)[start:end]
+        if start >= p:  # decode: a slice of the outputs, without copying the whole prompt
+            return self.output_token_ids[start - p : end - p]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - p]
 
     @property
     def is_remote_decode(self) -> bool:

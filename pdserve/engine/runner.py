@@ -12,7 +12,12 @@ import torch
 from pdserve.engine.sampler import sample
 from pdserve.engine.scheduler import ScheduledSeq
 from pdserve.kv.cache import KVCache
-from pdserve.model.attention import SeqSlice, build_attention_metadata
+from pdserve.model.attention import (
+    AttentionMetadata,
+    SeqSlice,
+    build_attention_metadata,
+    long_tensor,
+)
 from pdserve.model.decoder import Decoder
 
 
@@ -36,13 +41,20 @@ class ModelRunner:
             ids += s.request.token_ids(s.num_computed, s.num_computed + s.num_new)
         slices = [SeqSlice(s.request.block_ids, s.num_computed, s.num_new) for s in seqs]
         meta = build_attention_metadata(slices, self.kv.block_size, self.device)
-        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
+        input_ids = long_tensor(ids, self.device)
         hidden = self.model(input_ids, meta.positions, meta, self.kv, on_layer_done=on_layer_done)
         rows = [i for i, s in enumerate(seqs) if s.samples]
         if not rows:
             return {}
-        last = meta.logits_indices[rows]
-        logits = self.model.compute_logits(hidden[last])
+        logits = self.model.compute_logits(_rows_to_sample(hidden, meta, rows))
         reqs = [seqs[i].request for i in rows]
         tokens = sample(logits, [r.params for r in reqs], [r.generator for r in reqs])
         return {r.request_id: t for r, t in zip(reqs, tokens, strict=True)}
+
+
+def _rows_to_sample(hidden: torch.Tensor, meta: AttentionMetadata, rows: list[int]) -> torch.Tensor:
+    """The hidden states of the last new token of the sequences `rows` (indices into the
+    step's sequences). A decode-only step where every sequence samples needs no gather."""
+    if len(rows) == meta.num_tokens:  # one token per sequence, all sampling: all of hidden
+        return hidden
+    return hidden[meta.logits_indices[rows]]

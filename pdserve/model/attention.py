@@ -6,13 +6,15 @@ layer then reuses them:
 
 1. `write_kv` stores the step's new K/V at `slot_mapping` (slot = block * block_size + offset).
 2. `paged_attention` attends:
-   - decode slices (num_new == 1) are batched into padded groups: sorted by length and cut
-     into groups of bounded padded size, so one long sequence does not make every short one
-     pay for its length; the padding is masked out. Their keys are gathered block-wise through
-     a padded block table (into a reused `GatherBuffer`). On CPU in float32 (see
-     `_decode_bags`) the values are never gathered: one `embedding_bag` sums the value rows,
-     weighted by the attention probabilities, straight from the cache; elsewhere the values
-     are gathered too and one SDPA call attends;
+   - decode slices (num_new == 1) are batched into padded groups: one group in step order
+     when all of them fit in its bounded padded size, else sorted by length and cut into
+     groups, so one long sequence does not make every short one pay for its length; the
+     padding is masked out. Their keys are gathered block-wise through a padded block table
+     (into a reused `GatherBuffer`). On CPU in float32 (see `_decode_bags`) the values are
+     never gathered: one `embedding_bag` sums the value rows, weighted by the attention
+     probabilities, straight from the cache; elsewhere the values are gathered too and one
+     SDPA call attends. A group of one sequence (batch-1 decode) has no padding: its K/V
+     are cut to its length and SDPA runs unmasked (`_decode_one`);
    - prefill/chunk slices (num_new > 1) get one SDPA call each. A fresh prompt (nothing cached
      before) attends to its own K/V with a plain causal mask; a chunk after a cached prefix
      attends in two parts, the gathered prefix (no mask) and its own K/V (causal), merged by
@@ -34,8 +36,11 @@ the slots those tables name.
 
 from __future__ import annotations
 
+import math
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 import torch.nn.functional as F
@@ -81,20 +86,40 @@ class DecodeGroup:
     """Some num_new == 1 slices of a step, attended together over a padded context.
 
     `token_indices` [B]: their places in the step; `block_tables` [B, max_blocks]: padded with
-    block 0 (masked out); `mask` [B, 1, 1, max_blocks * block_size], True = attend; `bias`
-    the same as an additive float32 mask (0 / -inf), built once per step because SDPA would
-    otherwise convert the boolean mask again in every layer; `slots` [B, max_blocks *
-    block_size]: the cache slot of every padded key position.
+    block 0 (masked out); `context_lens`: each sequence's context length. The padded-batch
+    tensors below are built on first use (the first layer that needs them; the group lives
+    for one step), since a one-sequence group needs none of them.
     """
 
     token_indices: torch.Tensor
     block_tables: torch.Tensor
-    mask: torch.Tensor
-    bias: torch.Tensor
-    slots: torch.Tensor
+    context_lens: tuple[int, ...]
+    block_size: int
     _bags: dict[tuple[int, int, float], tuple[torch.Tensor, torch.Tensor]] = field(
         default_factory=dict, compare=False, repr=False
     )
+
+    @cached_property
+    def mask(self) -> torch.Tensor:
+        """[B, 1, 1, max_blocks * block_size], True = attend."""
+        device = self.block_tables.device
+        ctx = torch.tensor(self.context_lens, dtype=torch.long, device=device)
+        keys = torch.arange(self.block_tables.shape[1] * self.block_size, device=device)
+        return (keys[None, :] < ctx[:, None]).view(len(self.context_lens), 1, 1, -1)
+
+    @cached_property
+    def bias(self) -> torch.Tensor:
+        """`mask` as an additive float32 mask (0 / -inf): SDPA would otherwise convert the
+        boolean mask again in every layer."""
+        return torch.zeros(self.mask.shape, device=self.mask.device).masked_fill_(
+            ~self.mask, float("-inf")
+        )
+
+    @cached_property
+    def slots(self) -> torch.Tensor:
+        """[B, max_blocks * block_size]: the cache slot of every padded key position."""
+        offsets = torch.arange(self.block_size, device=self.block_tables.device)
+        return (self.block_tables.unsqueeze(-1) * self.block_size + offsets).flatten(1)
 
     def bag_layout(
         self, heads: int, kv_heads: int, scale: float
@@ -157,19 +182,22 @@ def build_attention_metadata(
     for s in slices:
         _check_slice(s, block_size)
         start = len(positions)
-        positions.extend(range(s.num_computed, s.context_len))
-        slots.extend(_slots(s, block_size))
-        last.append(len(positions) - 1)
-        if s.num_new == 1:
+        if s.num_new == 1:  # decode, the common case: no ranges, no _slots loop
+            pos = s.num_computed
+            positions.append(pos)
+            slots.append(s.block_table[pos // block_size] * block_size + pos % block_size)
             decodes.append((start, s))
         else:
+            positions.extend(range(s.num_computed, s.context_len))
+            slots.extend(_slots(s, block_size))
             prefills.append(_prefill_slice(s, start, block_size, device))
+        last.append(len(positions) - 1)
     groups = _group_decodes(decodes, block_size, decode_group_tokens)
     return AttentionMetadata(
         num_tokens=len(positions),
-        positions=torch.tensor(positions, dtype=torch.long, device=device),
-        slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
-        logits_indices=torch.tensor(last, dtype=torch.long, device=device),
+        positions=long_tensor(positions, device),
+        slot_mapping=long_tensor(slots, device),
+        logits_indices=long_tensor(last, device),
         prefills=tuple(prefills),
         decodes=tuple(_decode_group(g, block_size, device) for g in groups),
         decode_in_order=len(groups) == 1
@@ -206,16 +234,23 @@ def _prefill_slice(
     end = start + s.num_new
     if s.num_computed == 0:
         return PrefillSlice(start, end, s.context_len, 0, None)
-    block_ids = torch.tensor(
-        list(s.block_table[: _blocks(s.num_computed, block_size)]), dtype=torch.long, device=device
-    )
+    block_ids = long_tensor(list(s.block_table[: _blocks(s.num_computed, block_size)]), device)
     return PrefillSlice(start, end, s.context_len, s.num_computed, block_ids)
 
 
 def _group_decodes(
     decodes: list[tuple[int, SeqSlice]], block_size: int, budget: int
 ) -> list[list[tuple[int, SeqSlice]]]:
-    """Split length-sorted decodes so each group's padded size is within `budget` tokens."""
+    """Split length-sorted decodes so each group's padded size is within `budget` tokens.
+
+    When all of them fit in one group they stay in step order instead: the same padding,
+    and attention then needs no reordering of its queries and outputs (decode_in_order).
+    """
+    if not decodes:
+        return []
+    widest = max(_blocks(s.context_len, block_size) for _, s in decodes) * block_size
+    if widest * len(decodes) <= budget:
+        return [decodes]
     groups: list[list[tuple[int, SeqSlice]]] = []
     for item in sorted(decodes, key=lambda d: d[1].context_len):
         padded = _blocks(item[1].context_len, block_size) * block_size
@@ -229,20 +264,18 @@ def _group_decodes(
 def _decode_group(
     decodes: list[tuple[int, SeqSlice]], block_size: int, device: torch.device | str
 ) -> DecodeGroup:
-    lens = [s.context_len for _, s in decodes]
+    lens = tuple(s.context_len for _, s in decodes)
     width = _blocks(max(lens), block_size)
-    tables = [_padded(s.block_table, _blocks(s.context_len, block_size), width) for _, s in decodes]
-    ctx = torch.tensor(lens, dtype=torch.long, device=device)
-    keys = torch.arange(width * block_size, device=device)
-    mask = (keys[None, :] < ctx[:, None]).view(len(decodes), 1, 1, -1)
-    block_tables = torch.tensor(tables, dtype=torch.long, device=device)
-    offsets = torch.arange(block_size, device=device)
+    tables: list[int] = []  # row-major [len(decodes), width]
+    for _, s in decodes:
+        used = _blocks(s.context_len, block_size)
+        tables += s.block_table[:used]
+        tables += [0] * (width - used)  # padded with block 0 (its contents are masked out)
     return DecodeGroup(
-        token_indices=torch.tensor([i for i, _ in decodes], dtype=torch.long, device=device),
-        block_tables=block_tables,
-        mask=mask,
-        bias=torch.zeros(mask.shape, device=device).masked_fill_(~mask, float("-inf")),
-        slots=(block_tables.unsqueeze(-1) * block_size + offsets).flatten(1),
+        token_indices=long_tensor([i for i, _ in decodes], device),
+        block_tables=long_tensor(tables, device).view(len(decodes), width),
+        context_lens=lens,
+        block_size=block_size,
     )
 
 
@@ -250,9 +283,13 @@ def _blocks(tokens: int, block_size: int) -> int:
     return -(-tokens // block_size)
 
 
-def _padded(table: Sequence[int], used: int, width: int) -> list[int]:
-    """The first `used` block ids, padded with block 0 (its contents are masked out)."""
-    return [*table[:used], *([0] * (width - used))]
+def long_tensor(values: list[int], device: torch.device | str) -> torch.Tensor:
+    """A 1-D int64 tensor of `values`, made through an `array` buffer that torch wraps as
+    is: 3x cheaper than torch.tensor(list) for a block table (per-step metadata cost)."""
+    if not values:
+        return torch.empty(0, dtype=torch.long, device=device)
+    out = torch.frombuffer(array("q", values), dtype=torch.long)  # keeps the array alive
+    return out if torch.device(device).type == "cpu" else out.to(device)
 
 
 class GatherBuffer:
@@ -268,7 +305,7 @@ class GatherBuffer:
 
     def pair(self, n_blocks: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Two uninitialised [n_blocks, *like.shape[1:]] tensors (for K and V)."""
-        block_numel = like[0].numel()
+        block_numel = math.prod(like.shape[1:])
         need = 2 * n_blocks * block_numel
         buf = self._buf
         if (
@@ -292,8 +329,8 @@ def write_kv(
 ) -> None:
     """Store new K/V ([T, kv_heads, head_dim]) into one layer's cache at `slot_mapping`."""
     heads, dim = k_cache.shape[-2:]
-    k_cache.view(-1, heads, dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(-1, heads, dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+    k_cache.view(-1, heads, dim).index_copy_(0, slot_mapping, _cast(k, k_cache.dtype))
+    v_cache.view(-1, heads, dim).index_copy_(0, slot_mapping, _cast(v, v_cache.dtype))
 
 
 def paged_attention(
@@ -385,6 +422,8 @@ def _decode(
     scratch: GatherBuffer,
 ) -> torch.Tensor:
     """Attention of a decode group's queries ([B, heads, head_dim]) -> same shape."""
+    if q.shape[0] == 1:
+        return _decode_one(q, k_cache, v_cache, g, scratch)
     if _bags_apply(q, k_cache, v_cache):
         return _decode_bags(q, k_cache, v_cache, g, scratch)
     return _decode_sdpa(q, k_cache, v_cache, g, scratch)
@@ -446,6 +485,30 @@ def _decode_bags(
     return out.view(batch, heads, dim)
 
 
+def _decode_one(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    g: DecodeGroup,
+    scratch: GatherBuffer,
+) -> torch.Tensor:
+    """A one-sequence group: SDPA over its gathered K/V cut to its context, no mask.
+
+    Without padding there is nothing to mask (SDPA's unmasked CPU kernel, and no mask to
+    build); the same numbers as `_decode_sdpa` up to float rounding.
+    """
+    _, heads, dim = q.shape
+    kv_heads = k_cache.shape[-2]
+    n = g.context_lens[0]
+    keys, values = _gather(k_cache, v_cache, g.block_tables[0], scratch)
+    out = F.scaled_dot_product_attention(
+        q.view(1, kv_heads, heads // kv_heads, dim),  # a KV head's query heads as queries
+        _cast(keys.view(1, -1, kv_heads, dim)[:, :n], q.dtype).transpose(1, 2),
+        _cast(values.view(1, -1, kv_heads, dim)[:, :n], q.dtype).transpose(1, 2),
+    )
+    return out.view(1, heads, dim)
+
+
 def _decode_sdpa(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -476,6 +539,11 @@ def _gather(
     torch.index_select(k_cache, 0, block_ids, out=keys)
     torch.index_select(v_cache, 0, block_ids, out=values)
     return keys, values
+
+
+def _cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x in `dtype`; skips the dispatch of a no-op `.to` (per-layer decode overhead)."""
+    return x if x.dtype == dtype else x.to(dtype)
 
 
 def _as_cached(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:

@@ -8,6 +8,10 @@ their row ranges.
 Parameters are created uninitialised (no random init pass): `pdserve.model.loader` fills every
 one of them or fails. The rotary table is computed at construction on `device`; the module is
 built for one device and dtype and is not meant to be moved afterwards.
+
+Inside the model, modules call their children's `forward` (and linears go through F.linear)
+rather than `module(x)`: nn.Module.__call__ costs ~3.5 us of hook bookkeeping per call on
+CPU, a decode step makes ~40 such calls, and nothing registers hooks on these modules.
 """
 
 from __future__ import annotations
@@ -46,6 +50,23 @@ class RMSNorm(nn.Module):
         return self.weight * rms_normalize(x, self.eps)
 
 
+def _linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """layer(x) without nn.Module.__call__ (see the module docstring)."""
+    return F.linear(x, layer.weight, layer.bias)
+
+
+def _store_transposed(linear: nn.Linear) -> None:
+    """Give `linear` a weight whose memory is [in, out] row-major (a transposed view).
+
+    F.linear then hands MKL a plain (not transposed) right-hand matrix. On CPU that streams
+    the weights 1.3-1.6x faster at the few-row products of decode (batch 1-8) and is no
+    slower for prefill; the values and the [out, in] shape the loader fills are unchanged.
+    """
+    w = linear.weight
+    rows_in = torch.empty(w.shape[1], w.shape[0], dtype=w.dtype, device=w.device)
+    linear.weight = nn.Parameter(rows_in.t(), requires_grad=False)
+
+
 class Attention(nn.Module):
     """Self-attention of one layer: fused qkv, optional q/k norm, RoPE, paged attention."""
 
@@ -68,7 +89,7 @@ class Attention(nn.Module):
         scratch: GatherBuffer,
     ) -> torch.Tensor:
         n, s = x.shape[0], self.spec
-        qkv = self.qkv_proj(x)
+        qkv = _linear(self.qkv_proj, x)
         # q and k side by side ([n, heads + kv_heads, head_dim]), normed and rotated together:
         # one norm and one rotation instead of two each (a decode step is many small ops).
         qk = qkv[:, : s.q_size + s.kv_size].view(n, s.num_heads + s.num_kv_heads, s.head_dim)
@@ -78,18 +99,16 @@ class Attention(nn.Module):
         q, k = apply_rotary(qk, *rope).split((s.num_heads, s.num_kv_heads), dim=1)
         write_kv(*kv, k, v, meta.slot_mapping)
         out = paged_attention(q, k, v, *kv, meta, scratch)
-        return self.o_proj(out.reshape(n, s.q_size))
+        return _linear(self.o_proj, out.reshape(n, s.q_size))
 
     def _qk_norm(self, qk: torch.Tensor) -> torch.Tensor:
-        """q_norm on the query heads and k_norm on the key heads, in one normalisation."""
+        """q_norm on the query heads and k_norm on the key heads, in one normalisation; each
+        weight is applied in place to its heads of the fresh output (no weight concat)."""
         s = self.spec
-        weight = torch.cat(
-            (
-                self.q_norm.weight.expand(s.num_heads, s.head_dim),
-                self.k_norm.weight.expand(s.num_kv_heads, s.head_dim),
-            )
-        )
-        return weight * rms_normalize(qk, s.rms_norm_eps)
+        out = rms_normalize(qk, s.rms_norm_eps)
+        out[:, : s.num_heads].mul_(self.q_norm.weight)
+        out[:, s.num_heads :].mul_(self.k_norm.weight)
+        return out
 
 
 class MLP(nn.Module):
@@ -102,8 +121,9 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(size, spec.hidden_size, bias=spec.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        gate, up = _linear(self.gate_up_proj, x).chunk(2, dim=-1)
+        # in place: gate and up are views of a fresh output used only here (no temporaries)
+        return _linear(self.down_proj, F.silu(gate, inplace=True).mul_(up))
 
 
 class DecoderLayer(nn.Module):
@@ -124,8 +144,9 @@ class DecoderLayer(nn.Module):
         kv: tuple[torch.Tensor, torch.Tensor],
         scratch: GatherBuffer,
     ) -> torch.Tensor:
-        h = x + self.self_attn(self.input_layernorm(x), rope, meta, kv, scratch)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        normed = self.input_layernorm.forward(x)
+        h = x + self.self_attn.forward(normed, rope, meta, kv, scratch)
+        return h + self.mlp.forward(self.post_attention_layernorm.forward(h))
 
 
 class Decoder(nn.Module):
@@ -158,6 +179,10 @@ class Decoder(nn.Module):
                 self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
         self.to(dtype)  # still on meta: free, and never materialises a float32 copy
         self.to_empty(device=device)
+        if torch.device(device).type == "cpu":
+            for module in self.modules():
+                if isinstance(module, nn.Linear):
+                    _store_transposed(module)
         self.requires_grad_(False)
         self.scratch = GatherBuffer()  # one forward at a time (see GatherBuffer)
         positions = max_positions or spec.max_position_embeddings
@@ -185,13 +210,13 @@ class Decoder(nn.Module):
         are only enqueued on the current stream, so a hook that reads the cache from another
         stream or thread must record and wait on an event first.
         """
-        x = self.embed_tokens(input_ids)
+        x = F.embedding(input_ids, self.embed_tokens.weight)
         rope = self.rope.cos_sin(positions, x.dtype)
         for i, layer in enumerate(self.layers):
-            x = layer(x, rope, meta, kv.layer(i), self.scratch)
+            x = layer.forward(x, rope, meta, kv.layer(i), self.scratch)
             if on_layer_done is not None:
                 on_layer_done(i)
-        return self.norm(x)
+        return self.norm.forward(x)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -61,21 +61,24 @@ class RotaryEmbedding:
         freqs = positions[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         self.max_positions = max_positions
-        self.cos = emb.cos().to(device)
+        # [max_positions, 1, head_dim]: rows come out in the shape apply_rotary broadcasts
+        self.cos = emb.cos().unsqueeze(1).to(device)
         sin = emb.sin()
         # rotate_half(x) * sin == swap_halves(x) * signed_sin: the negation moves into the
         # table (exact in IEEE), saving a negation per rotation.
         self.signed_sin = torch.cat((-sin[:, : head_dim // 2], sin[:, head_dim // 2 :]), -1)
-        self.signed_sin = self.signed_sin.to(device)
+        self.signed_sin = self.signed_sin.unsqueeze(1).to(device)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
         """cos and signed sin rows for `positions` ([T] -> two [T, 1, head_dim]) in `dtype`.
 
         The pair `apply_rotary` takes: signed sin is sin with its first half negated.
         """
-        cos = self.cos.index_select(0, positions).to(dtype)
-        sin = self.signed_sin.index_select(0, positions).to(dtype)
-        return cos.unsqueeze(1), sin.unsqueeze(1)
+        cos = self.cos.index_select(0, positions)
+        sin = self.signed_sin.index_select(0, positions)
+        if dtype != cos.dtype:
+            cos, sin = cos.to(dtype), sin.to(dtype)
+        return cos, sin
 
 
 def swap_halves(x: torch.Tensor) -> torch.Tensor:
