@@ -257,6 +257,71 @@ def test_push_streams_layer_by_layer_when_registered_before_the_last_chunk(
     pair.settle()
 
 
+def test_push_streams_layer_by_layer_when_registration_comes_during_the_last_chunk(
+    pair_factory, reference
+) -> None:
+    """The router sends both legs at once, so D's registration usually reaches P after P
+    scheduled a one-chunk prompt. The layers computed before it wait on P's writer and go
+    out when it comes; the rest stream as computed, and PushDone follows them all."""
+    pair = pair_factory("push")
+    ids = prompts(3, seed=23)[2]
+    tid = "t-late-registration"
+    conn = pair.p.connector
+    streams = conn.layer_hook
+
+    def layer_hook(reqs):
+        inner = streams(reqs)
+
+        def hook(layer: int) -> None:
+            if inner is not None:
+                inner(layer)
+            if layer == 0:  # D registers only now, while P's step is in progress
+                pair.submit_d("r", ids, GREEDY, pair.push_params(tid))
+                pair.run_until(
+                    lambda: tid in conn._registered or conn.writer_stats.registered_first,
+                    only=pair.d,
+                )
+
+        return hook
+
+    conn.layer_hook = layer_hook
+    pair.submit_p("r-p", ids, tid)
+    pair.run_until(lambda: pair.finished("r"))
+    assert pair.tokens("r") == reference(ids)
+    assert conn.writer_stats.layerwise == 1  # not one whole-prompt write after the step
+    assert conn.stats.descriptors >= 2 * pair.p.kv.num_layers  # one write per layer
+    pair.settle()
+
+
+def test_push_done_goes_out_before_p_frees_the_hold(pair_factory, reference) -> None:
+    """P's writer sends PushDone (what D waits for) before it reports the finished writes to
+    P's engine thread: that report wakes the engine, which would take the GIL first."""
+    pair = pair_factory("push")
+    ids = prompts(3, seed=24)[1]
+    tid = "t-order"
+    conn = pair.p.connector
+    order: list[str] = []
+    report, send_notif = conn.report, conn.transport.send_notif
+
+    def recording_report(item) -> None:
+        order.append(type(item).__name__)
+        report(item)
+
+    def recording_send_notif(peer, payload: bytes) -> None:
+        order.append("PushDone")
+        send_notif(peer, payload)
+
+    conn.report, conn.transport.send_notif = recording_report, recording_send_notif
+    pair.submit_d("r", ids, GREEDY, pair.push_params(tid))
+    pair.run_until(lambda: tid in conn._registered, only=pair.d)
+    pair.submit_p("r-p", ids, tid)
+    pair.run_until(lambda: pair.finished("r"))
+    pair.settle()
+    assert pair.tokens("r") == reference(ids)
+    assert conn.writer_stats.layerwise == 1
+    assert order.index("PushDone") < order.index("ReleaseHold")
+
+
 def test_unreachable_address_does_not_delay_other_pushes(pair_factory, reference) -> None:
     """Each prefill instance has its own registration lane on D: a registration stuck in a
     handshake with an address nobody answers at does not hold up the live P's.

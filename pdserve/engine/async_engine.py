@@ -3,8 +3,18 @@
 Ownership: the engine thread owns the scheduler, the block pool and every KV block.
 The front end (HTTP handlers on the asyncio loop) never touches them; it submits
 `EngineRequest`s and aborts through a thread-safe inbox and receives `RequestOutput`s
-through one asyncio queue per request. The engine loop never waits on the front end:
-handing an output over is `loop.call_soon_threadsafe`, which does not block.
+through one asyncio queue per request. Handing an output over is
+`loop.call_soon_threadsafe`, which does not block.
+
+One bounded exception, the outputs of a P/D handoff: on D the first token of a request whose
+KV came from a prefill instance, on P the answer of a finished prefill leg (with its
+`kv_transfer_params`). The engine thread would go straight on to its next step, and the
+event loop, which has to format and send that output, shares the instance's core and the
+GIL with it: on an idle D the first token left 3.3 ms (median) after the engine made it,
+most of a decode step (scripts/bench/perf/handoff_hops.py breaks the handoff down). So
+after handing such an output over, the engine thread waits until the loop has run its
+consumer (the HTTP write), at most `flush_s`: a stuck or flooded loop costs the engine no
+more than that.
 """
 
 from __future__ import annotations
@@ -12,13 +22,15 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import msgspec
 
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.types import EngineRequest, EngineStats, FinishReason, RequestOutput
+from pdserve.transfer.hoptrace import hop
 
 
 class EngineDeadError(RuntimeError):
@@ -39,15 +51,20 @@ class _Wake(msgspec.Struct, frozen=True):
     """Connector threads post this so the engine thread polls them without waiting."""
 
 
+# Bound on the engine thread's wait for the event loop to send a handoff's output (module doc).
+FLUSH_S = 0.002
+
+
 class AsyncEngine:
     """Runs `LLMEngine.step()` in a dedicated thread and streams outputs to asyncio callers."""
 
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine, flush_s: float = FLUSH_S) -> None:
         self.engine = engine
+        self.flush_s = flush_s
         self._inbox: queue.SimpleQueue[EngineRequest | _Abort | _Wake | None] = queue.SimpleQueue()
         if engine.connector is not None:
             engine.connector.wake = lambda: self._inbox.put(_Wake())
-        engine.early_outputs = self._deliver  # called on the engine thread, mid-step
+        engine.early_outputs = self._deliver_handoff  # called on the engine thread, mid-step
         self._sinks: dict[str, _Sink] = {}
         self._sinks_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="pdserve-engine", daemon=True)
@@ -112,9 +129,13 @@ class AsyncEngine:
             while not self._stopping.is_set():
                 if not self._drain_inbox(block=not self.engine.has_work()):
                     break
-                self._deliver(self.engine.poll_connector())
+                self._deliver_handoff(self.engine.poll_connector())
                 if self.engine.has_work():
-                    self._deliver(self.engine.step())
+                    outputs = self.engine.step()
+                    if any(o.finished and o.kv_transfer_params is not None for o in outputs):
+                        self._deliver_handoff(outputs)  # P: prefill legs done
+                    else:
+                        self._deliver(outputs)
         except BaseException as exc:  # a dead engine must not look alive
             self.error = exc
             raise
@@ -135,14 +156,36 @@ class AsyncEngine:
             if isinstance(item, _Abort):
                 self._deliver(self.engine.abort_request(item.request_id))
             elif isinstance(item, EngineRequest):
+                hop(item.request_id, "d.engine_add")
                 self._deliver(self.engine.add_request(item))
 
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
+    def _deliver(self, outputs: list[RequestOutput]) -> set[asyncio.AbstractEventLoop]:
+        """Hand `outputs` to their requests' loops; returns the loops that got one."""
+        loops = set()
         for out in outputs:
             with self._sinks_lock:
                 sink = self._sinks.get(out.request_id)
             if sink is not None:
+                if out.num_output_tokens == 1:
+                    hop(out.request_id, "d.deliver")
                 sink.loop.call_soon_threadsafe(sink.queue.put_nowait, out)
+                loops.add(sink.loop)
+        return loops
+
+    def _deliver_handoff(self, outputs: list[RequestOutput]) -> None:
+        """Deliver the outputs of a handoff (D: the connector's events, i.e. P's first tokens
+        or transfer failures; P: finished prefill legs) and wait until each loop has run their
+        consumers, at most `flush_s` (module doc)."""
+        loops = self._deliver(outputs)
+        if not loops or self.flush_s <= 0:
+            return
+        sent = threading.Semaphore(0)
+        for loop in loops:
+            loop.call_soon_threadsafe(_after_consumers, loop, sent.release)
+        deadline = time.monotonic() + self.flush_s
+        for _ in loops:
+            if not sent.acquire(timeout=max(0.0, deadline - time.monotonic())):
+                return
 
     def _fail_all(self) -> None:
         reason = FinishReason.ERROR if self.error else FinishReason.ABORT
@@ -159,3 +202,9 @@ class AsyncEngine:
                 error=msg,
             )
             sink.loop.call_soon_threadsafe(sink.queue.put_nowait, out)
+
+
+def _after_consumers(loop: asyncio.AbstractEventLoop, done: Callable[[], None]) -> None:
+    """Runs on `loop` right after the outputs queued before it were put: their getters'
+    wake-ups are scheduled already, so a callback scheduled now runs after them."""
+    loop.call_soon(done)

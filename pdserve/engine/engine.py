@@ -26,6 +26,7 @@ from pdserve.kv.block_pool import BlockPool
 from pdserve.kv.cache import KVCache, num_blocks_for_budget
 from pdserve.model.loader import LoadedModel, load_model
 from pdserve.transfer.connector import Event, KVConnector, KVReady, transfer_id_of
+from pdserve.transfer.hoptrace import hop
 from pdserve.transfer.params import (
     InstanceLimits,
     InvalidKVTransferParams,
@@ -181,8 +182,10 @@ class LLMEngine:
                 continue
             if isinstance(ev, KVReady):
                 self.trace.landed(1)
+                hop(transfer_id_of(req), "d.engine_kv", busy=len(busy))
                 self.scheduler.kv_arrived(req)
                 outputs.append(self._append_token(req, ev.first_token_id))
+                hop(transfer_id_of(req), "d.engine_out", rid=req.request_id)
             else:
                 outputs.append(self._fail(req, ev.error))
         return outputs

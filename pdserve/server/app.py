@@ -45,6 +45,7 @@ from pdserve.server.serving import (
 )
 from pdserve.server.sse import data_event
 from pdserve.server.transfers import TransferClaim, TransferGate
+from pdserve.transfer.hoptrace import hop
 from pdserve.transfer.metrics import ConnectorCollector
 
 log = logging.getLogger(__name__)
@@ -96,6 +97,7 @@ def _api_routes(serving: OpenAIServing, gate: TransferGate, api_key: str | None)
         max_tokens = serving.max_tokens(body.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS, len(prompt))
         params = serving.sampling_params(body, max_tokens)
         rid = request_id_of(request.headers)
+        hop(rid, "d.http_handler")
         er = build_engine_request(f"cmpl-{rid}", prompt, params, body.kv_transfer_params)
         claim = gate.admit(er)
         fmt = CompletionFormat(
@@ -219,6 +221,8 @@ async def _sse_events(
                 # clients measure inter-token latency per token (as vLLM does).
                 if out.new_token_ids or out.new_text or reason is not None:
                     kv = kv_transfer_params_of(out) if reason else None
+                    if n == len(out.new_token_ids):
+                        hop(out.request_id, "d.sse_first")
                     yield _sse(fmt.chunk(out.new_text, reason, kv))
             else:
                 if include_usage:

@@ -40,6 +40,7 @@ from pdserve.transfer.connector import (
     TransferError,
     transfer_id_of,
 )
+from pdserve.transfer.hoptrace import hop
 from pdserve.transfer.lanes import Lanes
 from pdserve.transfer.params import (
     InvalidKVTransferParams,
@@ -78,6 +79,7 @@ class PullConnector(KVConnector):
     # -- P -------------------------------------------------------------------------------
     def prefill_done(self, req: Request, first_token: int) -> KVTransferParams:
         h = self.hold(req, first_token, time.time(), lease=True)
+        hop(h.transfer_id, "p.prefill_done", h.done_time)
         host, port = self.side.address
         params = KVTransferParams(
             transfer_mode="pull",
@@ -139,6 +141,7 @@ class PullConnector(KVConnector):
         super().start_receive(req)
         assert req.kv_transfer is not None
         job = _ReadJob(transfer_id_of(req), list(req.block_ids), req.kv_transfer)
+        hop(job.tid, "d.start_receive")
         try:
             self.check_params(job.params)
         except InvalidKVTransferParams as exc:
@@ -168,9 +171,13 @@ class PullConnector(KVConnector):
                     f"prefill instance holds {len(p.remote_block_ids or ())} blocks for "
                     f"{p.remote_num_tokens} tokens, decode allocated {len(job.blocks)}"
                 )
+            hop(job.tid, "d.lane_start")
             peer = self.peer(p.remote_engine_id, job.address, p.remote_incarnation)
             self._claim(peer, job)
-            self.report(self._read(peer, job))
+            hop(job.tid, "d.claimed")
+            arrived = self._read(peer, job)
+            hop(job.tid, "d.read_done")
+            self.report(arrived)
             ok = True
         except Exception as exc:  # every failure becomes a clear per-request error
             log.warning("pull %s failed: %s", job.tid, exc)

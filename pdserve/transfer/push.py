@@ -23,6 +23,12 @@ P (writer thread): pairs registrations and finished prompts by transfer id, in e
   prompt never came (`registration_ttl_s`); frees prompts nobody registered for after
   `lease_s`. Fencing rule: after PushAbort, a transfer is never posted; one already in
   flight is acknowledged only when the transport reports it finished.
+  Layer-wise (`push_layerwise`): the step that completes a prompt hands the writer each
+  layer as its forward pass ends; the writer posts it at once if D's registration is
+  there, else keeps it until the registration comes (D's registration and P's step race
+  when the router sends both legs at once), and sends PushDone as a notification once the
+  prompt is done and every layer's write is DONE. A prompt that ends before its
+  registration comes goes as one write, as above.
 P (completion watcher thread): blocks on each posted write until the transport finishes it
   and then wakes the writer, so the writer sleeps on its inbox instead of polling every
   millisecond while writes are in flight (that poll took P's core and GIL from prefill).
@@ -52,6 +58,7 @@ from pdserve.transfer.connector import (
     transfer_id_of,
 )
 from pdserve.transfer.descriptors import block_descriptors
+from pdserve.transfer.hoptrace import hop
 from pdserve.transfer.lanes import Lanes
 from pdserve.transfer.params import KVTransferParams
 from pdserve.transfer.side_channel import Address
@@ -148,8 +155,8 @@ class PushConnector(KVConnector):
         self._lanes: Lanes[_Register] = Lanes(
             self._register, "pdserve-push-reg", MAX_LANES, LANE_IDLE_S
         )
-        # P: transfer ids whose registration arrived; the engine thread reads it to decide
-        # whether a finishing prompt can be streamed layer by layer.
+        # P: transfer ids whose registration arrived and the writer has not taken yet (what
+        # tests wait on to know that D's registration reached P).
         self._registered: set[str] = set()
         self.writer_stats = WriterStats()
         # Only the role's threads: each wakes every 50 ms, and an idle push D ran P's two
@@ -224,6 +231,7 @@ class PushConnector(KVConnector):
                     log.warning("push: dropped a malformed notification")
                     continue
                 if isinstance(msg, m.PushDone):
+                    hop(msg.transfer_id, "d.notif_thread")
                     self._p_of.pop(msg.transfer_id, None)
                     self.report(Arrived(msg.transfer_id, msg.first_token_id, msg.prefill_done_time))
 
@@ -252,15 +260,15 @@ class PushConnector(KVConnector):
         elif isinstance(msg, m.PushAbortAck):  # D
             self.report(ReleaseQuarantine(msg.transfer_id))
         elif isinstance(msg, (m.PushRegistration, m.PushAbort)):  # P
-            self._inbox.put(msg)
             if isinstance(msg, m.PushRegistration):
-                # After the put: a layer the engine streams because it saw this entry is
-                # queued behind the registration itself.
+                # Before the put: the writer discards it once it took the registration.
                 self._registered.add(msg.transfer_id)
+            self._inbox.put(msg)
 
     # == P side: engine thread ============================================================
     def prefill_done(self, req: Request, first_token: int) -> KVTransferParams:
         h = self.hold(req, first_token, time.time(), lease=False)
+        hop(h.transfer_id, "p.prefill_done", h.done_time)
         ready = time.monotonic() + self.cfg.push_finish_delay_s
         self._inbox.put(
             _Finished(h.transfer_id, list(h.blocks), h.num_tokens, first_token, h.done_time, ready)
@@ -276,13 +284,16 @@ class PushConnector(KVConnector):
         self._inbox.put(_PrefillFailed(transfer_id_of(req), reason))
 
     def layer_hook(self, reqs: list[Request]):
-        """Stream the prompts already registered for, one layer at a time (engine thread)."""
-        if not self.cfg.push_layerwise or self.cfg.push_finish_delay_s:
+        """Stream these prompts one layer at a time (engine thread).
+
+        Whether D's registration is already here does not matter: the router sends both legs
+        at once, so for a prompt of one chunk D's registration usually reaches P a few ms
+        after P has scheduled the whole prompt. The writer keeps the layers finished before
+        the registration and posts them when it comes (`_WriterState.early`).
+        """
+        if not self.cfg.push_layerwise or self.cfg.push_finish_delay_s or not reqs:
             return None
-        ready = [r for r in reqs if transfer_id_of(r) in self._registered]
-        if not ready:
-            return None
-        jobs = [(transfer_id_of(r), list(r.block_ids), r.num_prompt_tokens) for r in ready]
+        jobs = [(transfer_id_of(r), list(r.block_ids), r.num_prompt_tokens) for r in reqs]
 
         def on_layer_done(layer: int) -> None:
             for tid, blocks, n in jobs:
@@ -318,10 +329,17 @@ class PushConnector(KVConnector):
         now = time.monotonic()
         if isinstance(item, m.PushRegistration):
             w.regs[item.transfer_id] = (item, now)
+            for layer in w.early.pop(item.transfer_id, []):
+                self._post_layer(w, layer)
         elif isinstance(item, _Finished):
+            hop(item.transfer_id, "p.writer_fin")
+            # Layers nobody registered for while the prompt ran: the whole prompt goes in
+            # one write when the registration comes.
+            w.early.pop(item.transfer_id, None)
             item.ready_at = max(item.ready_at, now)
             (w.delayed if item.ready_at > now else w.finished)[item.transfer_id] = item
         elif isinstance(item, _PrefillFailed):
+            w.early.pop(item.transfer_id, None)
             stream = w.streams.get(item.transfer_id)
             if stream is not None:  # D is told once the layer writes in flight are done
                 stream.error = stream.error or item.reason
@@ -384,20 +402,17 @@ class PushConnector(KVConnector):
                     reg, handle, time.monotonic(), nbytes, len(local)
                 )
                 self._posted.put(handle)
+                hop(reg.transfer_id, "p.write_posted")
                 return
         self.report(ReleaseHold(fin.transfer_id, "write not possible"))
 
     def _post_layer(self, w: _WriterState, item: _LayerReady) -> None:
-        """Write one finished layer of a registered prompt (no notification yet)."""
-        stream = w.streams.get(item.transfer_id)
+        """Write one finished layer of a prompt (no notification yet); a layer finished before
+        D's registration came waits for it in `w.early`."""
+        stream = w.streams.get(item.transfer_id) or self._open_stream(w, item.transfer_id)
         if stream is None:
-            self._registered.discard(item.transfer_id)
-            entry = w.regs.pop(item.transfer_id, None)
-            if entry is None:  # aborted or expired meanwhile: nothing to stream
-                return
-            self.writer_stats.registered_first += 1
-            self.writer_stats.match_wait_s += time.monotonic() - entry[1]
-            stream = w.streams[item.transfer_id] = _Stream(entry[0], [], time.monotonic())
+            w.early.setdefault(item.transfer_id, []).append(item)
+            return
         reg = stream.reg
         peer = self.known_peer(reg.engine_id, reg.incarnation)
         if stream.error or stream.aborted or peer is None:
@@ -416,8 +431,20 @@ class PushConnector(KVConnector):
             return
         stream.handles.append(handle)
         self._posted.put(handle)
+        hop(item.transfer_id, "p.layer_posted", layer=item.layer)
         stream.nbytes += sum(n for _, n in local)
         stream.ndesc += len(local)
+
+    def _open_stream(self, w: _WriterState, tid: str) -> _Stream | None:
+        """Start streaming `tid` to its registration, or None if none has come yet."""
+        entry = w.regs.pop(tid, None)
+        if entry is None:
+            return None
+        self._registered.discard(tid)
+        self.writer_stats.registered_first += 1
+        self.writer_stats.match_wait_s += time.monotonic() - entry[1]
+        stream = w.streams[tid] = _Stream(entry[0], [], time.monotonic())
+        return stream
 
     def _watch_loop(self) -> None:
         """Wait for each posted write in posting order, then wake the writer.
@@ -444,6 +471,7 @@ class PushConnector(KVConnector):
                     break
                 if not blocking:
                     time.sleep(_NIXL_POLL_S)
+            hop(str(getattr(handle, "id", "?")), "p.watch_done")
             self._inbox.put(_WriteDone())
 
     def _writer_poll_streams(self, w: _WriterState) -> None:
@@ -467,28 +495,39 @@ class PushConnector(KVConnector):
 
     def _end_stream(self, st: _Stream) -> None:
         tid = st.reg.transfer_id
-        if st.fin is not None:
-            self.report(ReleaseHold(tid, "layer-wise write finished"))
-        if st.aborted:
-            self.side.send(tuple(st.reg.reply_to), m.PushAbortAck(transfer_id=tid))
-        elif st.error:
-            self._fail_remote(st.reg, st.error)
-        else:
-            assert st.fin is not None
-            done = m.PushDone(
-                transfer_id=tid,
-                first_token_id=st.fin.first_token_id,
-                prefill_done_time=st.fin.done_time,
-            )
-            peer = self.known_peer(st.reg.engine_id, st.reg.incarnation)
-            try:
-                # Every layer's write is DONE: the notification now follows all the data.
-                self.transport.send_notif(peer.transport_peer, m.encode(done))
-            except Exception as exc:
-                self._fail_remote(st.reg, f"could not notify the decode instance: {exc}")
-                return
-            self.writer_stats.layerwise += 1
-            self.count_transfer(st.nbytes, st.ndesc, time.monotonic() - st.started)
+        try:
+            if st.aborted:
+                self.side.send(tuple(st.reg.reply_to), m.PushAbortAck(transfer_id=tid))
+            elif st.error:
+                self._fail_remote(st.reg, st.error)
+            else:
+                self._notify_done(st)
+        finally:
+            # After PushDone, which D waits for: the report wakes P's engine thread, which
+            # would take the GIL from this thread before the notification is out.
+            if st.fin is not None:
+                self.report(ReleaseHold(tid, "layer-wise write finished"))
+
+    def _notify_done(self, st: _Stream) -> None:
+        """Every layer's write is DONE: PushDone now follows all the data."""
+        assert st.fin is not None
+        tid = st.reg.transfer_id
+        done = m.PushDone(
+            transfer_id=tid,
+            first_token_id=st.fin.first_token_id,
+            prefill_done_time=st.fin.done_time,
+        )
+        peer = self.known_peer(st.reg.engine_id, st.reg.incarnation)
+        try:
+            if peer is None:
+                raise RuntimeError(f"unknown decode instance {st.reg.engine_id}")
+            self.transport.send_notif(peer.transport_peer, m.encode(done))
+        except Exception as exc:
+            self._fail_remote(st.reg, f"could not notify the decode instance: {exc}")
+            return
+        hop(tid, "p.notif_posted")
+        self.writer_stats.layerwise += 1
+        self.count_transfer(st.nbytes, st.ndesc, time.monotonic() - st.started)
 
     def _writer_poll(self, w: _WriterState) -> None:
         self._writer_poll_streams(w)
@@ -519,6 +558,7 @@ class PushConnector(KVConnector):
                 w.streams[tid].fin = fin
             return
         w.regs.pop(tid, None)
+        w.early.pop(tid, None)
         fin = w.finished.pop(tid, None) or w.delayed.pop(tid, None)
         if fin is not None:
             self.report(ReleaseHold(tid, "decode aborted"))
@@ -577,6 +617,9 @@ class _WriterState:
         self.aborted: dict[str, float] = {}
         self.inflight: dict[str, _InFlight] = {}
         self.streams: dict[str, _Stream] = {}
+        # Layers of prompts still computing whose registration has not come yet (posted when
+        # it comes; dropped when the prompt ends first, fails or D aborts).
+        self.early: dict[str, list[_LayerReady]] = {}
 
 
 class WriterStats(msgspec.Struct):

@@ -26,6 +26,7 @@ import time
 from collections import deque
 from typing import Protocol
 
+from pdserve.transfer.hoptrace import hop
 from pdserve.transfer.transport.base import (
     DescriptorError,
     Op,
@@ -170,6 +171,8 @@ class TcpLink:
             while (item := self._next()) is not None:
                 frame, payload = self._outgoing(item)
                 send_frame(self.sock, frame, self, payload)
+                if isinstance(frame, Notif | Write):
+                    hop(type(frame).__name__, "tcp.sent")
         except Exception as exc:
             self.kill(f"send failed: {exc}")
 
@@ -204,10 +207,12 @@ class TcpLink:
         elif isinstance(frame, ReadResp):
             self._on_read_resp(frame)
         elif isinstance(frame, Ack):
+            hop(str(frame.xfer), "tcp.ack_recv")
             self._complete(frame.xfer, TransferState.DONE, None)
         elif isinstance(frame, Fail):
             self._complete(frame.xfer, TransferState.ERROR, f"peer {self.peer}: {frame.reason}")
         elif isinstance(frame, Notif):
+            hop("Notif", "tcp.recv")
             if self.alive:
                 self._host.inbox.put(self.peer, frame.payload)
         else:
@@ -229,6 +234,7 @@ class TcpLink:
             self._enqueue(self._ctl, (Fail(f.xfer, f"write refused: {exc}"), []))
             return
         recv_views(self.sock, views, self)
+        hop("Write", "tcp.recv")
         if f.notif is not None and self.alive:
             self._host.inbox.put(self.peer, f.notif)
         self._enqueue(self._ctl, (Ack(f.xfer), []))
