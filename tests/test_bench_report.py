@@ -92,6 +92,31 @@ def test_ratio_rows_pair_modes_at_equal_points(sweep: list[BenchResult]) -> None
     ] == pytest.approx(2.0)
 
 
+def test_ratio_table_has_handoff_and_p99_ratios(sweep: list[BenchResult]) -> None:
+    """Handoff p50/p99 ratios when both modes report handoffs; '-' when the baseline has none."""
+    with_pull_handoff = [
+        msgspec.structs.replace(r, median_handoff_ms=12.0, p99_handoff_ms=40.0, p99_tpot_ms=8.0)
+        if r.metadata["mode"] == "pull"
+        else msgspec.structs.replace(r, p99_handoff_ms=4.0, p99_tpot_ms=6.0)
+        for r in sweep
+    ]
+    lines = report.ratio_table(with_pull_handoff).splitlines()
+    head = [c.strip() for c in lines[0].strip("|").split("|")]
+    row = dict(zip(head, (c.strip() for c in lines[2].strip("|").split("|")), strict=True))
+    assert row["handoff p50 push/pull"] == "0.25"
+    assert row["handoff p99 push/pull"] == "0.10"
+    assert row["TPOT p99 push/pull"] == "0.75"
+    plain = report.ratio_table(sweep).splitlines()[2]  # pull has no handoff there
+    assert plain.rstrip(" |").endswith("| - | -")
+
+
+def test_markdown_table_has_handoff_p99(sweep: list[BenchResult]) -> None:
+    runs = [msgspec.structs.replace(r, p99_handoff_ms=7.5) for r in sweep]
+    lines = report.markdown_table(runs).splitlines()
+    assert lines[0].rstrip(" |").endswith("handoff p50 (ms) | handoff p99 (ms)")
+    assert lines[2].rstrip(" |").endswith("| 7.5")
+
+
 def test_write_report(sweep: list[BenchResult], tmp_path: Path) -> None:
     files = report.write_report(sweep, tmp_path / "out")
     assert files.markdown.read_text().count("| pu") == len(sweep)

@@ -133,7 +133,7 @@ def markdown_table(results: Sequence[BenchResult]) -> str:
         "TTFT p50 (ms)", "TTFT p99 (ms)", "TPOT p50 (ms)", "TPOT p99 (ms)", "ITL p50 (ms)",
         "E2EL p50 (ms)", "goodput (req/s)",
     ]  # fmt: skip
-    head += ["handoff p50 (ms)"] if handoff else []
+    head += ["handoff p50 (ms)", "handoff p99 (ms)"] if handoff else []
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in sorted(results, key=_sort_key):
         mode, input_len = series_key(r)
@@ -145,7 +145,7 @@ def markdown_table(results: Sequence[BenchResult]) -> str:
             _fmt(r.median_tpot_ms, 2), _fmt(r.p99_tpot_ms, 2), _fmt(r.median_itl_ms, 2),
             _fmt(r.median_e2el_ms), _fmt(r.request_goodput, 2),
         ]  # fmt: skip
-        cells += [_fmt(r.median_handoff_ms)] if handoff else []
+        cells += [_fmt(r.median_handoff_ms), _fmt(r.p99_handoff_ms)] if handoff else []
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -154,6 +154,14 @@ RATIO_METRICS = (
     ("median_ttft_ms", "TTFT p50"),
     ("p99_ttft_ms", "TTFT p99"),
     ("median_tpot_ms", "TPOT p50"),
+)
+# The ratio table also shows these (the plot keeps to the three above); a ratio neither run
+# can give, e.g. handoffs of a monolithic baseline, shows as "-".
+RATIO_TABLE_METRICS = (
+    *RATIO_METRICS,
+    ("p99_tpot_ms", "TPOT p99"),
+    ("median_handoff_ms", "handoff p50"),
+    ("p99_handoff_ms", "handoff p99"),
 )
 
 
@@ -177,7 +185,7 @@ def ratio_rows(
     for (m, input_len, rate), r in sorted(by_point.items(), key=_point_order):
         base = by_point.get((baseline, input_len, rate))
         if m == mode and base is not None:
-            ratios = {k: _ratio(getattr(r, k), getattr(base, k)) for k, _ in RATIO_METRICS}
+            ratios = {k: _ratio(getattr(r, k), getattr(base, k)) for k, _ in RATIO_TABLE_METRICS}
             rows.append((input_len, rate, ratios))
     return rows
 
@@ -187,11 +195,12 @@ def ratio_table(results: Sequence[BenchResult], mode: str = "push", baseline: st
     rows = ratio_rows(results, mode, baseline)
     if not rows:
         return ""
-    head = ["input", "rate (req/s)"] + [f"{label} {mode}/{baseline}" for _, label in RATIO_METRICS]
+    labels = [f"{label} {mode}/{baseline}" for _, label in RATIO_TABLE_METRICS]
+    head = ["input", "rate (req/s)", *labels]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for input_len, rate, ratios in rows:
         cells = [f"{input_len}", rate_label(rate)]
-        cells += [_fmt(ratios[k], 2) for k, _ in RATIO_METRICS]
+        cells += [_fmt(ratios[k], 2) for k, _ in RATIO_TABLE_METRICS]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
