@@ -15,6 +15,7 @@ from pdserve.router.config import (
     RouterConfig,
     normalize_url,
 )
+from pdserve.server.serve import UVICORN_LOOP
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -109,6 +110,7 @@ def main(args: argparse.Namespace) -> int:
             access_log=args.access_log,
             # Open client streams must not hold a shutdown (Ctrl-C, `pdserve up` stopping) long.
             timeout_graceful_shutdown=5,
+            loop=UVICORN_LOOP,
         )
     )
     server.run()

@@ -40,6 +40,10 @@ log = logging.getLogger("pdserve.serve")
 
 API_KEY_ENV = "PDSERVE_API_KEY"
 SHUTDOWN_GRACE_S = 5.0  # in-flight requests get this long to finish on SIGTERM
+# asyncio's own loop, also where uvloop is installed: measured with push (docs/benchmarks.md,
+# "uvloop and httptools"), uvloop under the instances and the router made the handoff 1-3 ms
+# longer for no gain in CPU per token that httptools alone does not give.
+UVICORN_LOOP = "asyncio"
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
 
@@ -274,7 +278,10 @@ def _serve_http(
     app = create_app(async_engine, cfg)
     # uvicorn's own deadline (it cancels handlers) only backs up the engine abort above.
     config = uvicorn.Config(
-        app, log_level=log_level, timeout_graceful_shutdown=SHUTDOWN_GRACE_S + 5
+        app,
+        log_level=log_level,
+        timeout_graceful_shutdown=SHUTDOWN_GRACE_S + 5,
+        loop=UVICORN_LOOP,
     )
     host, port = sock.getsockname()[:2]
     url_host = f"[{host}]" if ":" in host else host
