@@ -22,6 +22,7 @@ import msgspec
 
 HOP_LOGGER = "pdserve.handoff"
 _PREFIX = "hop "
+_log = logging.getLogger(HOP_LOGGER)  # looked up once: hops sit on the engine and transport paths
 
 
 class Hop(msgspec.Struct, frozen=True, kw_only=True):
@@ -35,19 +36,18 @@ class Hop(msgspec.Struct, frozen=True, kw_only=True):
 
 def enabled() -> bool:
     """Whether hops are logged (callers skip building costly extras otherwise)."""
-    return logging.getLogger(HOP_LOGGER).isEnabledFor(logging.DEBUG)
+    return _log.isEnabledFor(logging.DEBUG)
 
 
 def hop(key: str, name: str, t: float | None = None, **extra: str | int | float) -> None:
     """Log that the first token of `key` passed `name` at `t` (default: now)."""
-    logger = logging.getLogger(HOP_LOGGER)
-    if logger.isEnabledFor(logging.DEBUG):
+    if _log.isEnabledFor(logging.DEBUG):
         extra["cpu"] = round(time.thread_time(), 6)  # this thread's CPU time so far
         runq = _run_queue_s()
         if runq is not None:
             extra["runq"] = runq
         rec = Hop(key=key, name=name, t=time.time() if t is None else t, extra=extra)
-        logger.debug("%s%s", _PREFIX, msgspec.json.encode(rec).decode())
+        _log.debug("%s%s", _PREFIX, msgspec.json.encode(rec).decode())
 
 
 def _run_queue_s() -> float | None:
