@@ -160,17 +160,24 @@ class AsyncEngine:
                 self._deliver(self.engine.add_request(item))
 
     def _deliver(self, outputs: list[RequestOutput]) -> set[asyncio.AbstractEventLoop]:
-        """Hand `outputs` to their requests' loops; returns the loops that got one."""
-        loops = set()
-        for out in outputs:
-            with self._sinks_lock:
+        """Hand `outputs` to their requests' loops; returns the loops that got one.
+
+        One `call_soon_threadsafe` per loop and step, not per output: each one writes the
+        loop's self-pipe, a system call that drops the GIL, and the loop thread takes it then;
+        with many streams the engine thread paid that hand-off once per stream per step.
+        """
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
+        with self._sinks_lock:
+            for out in outputs:
                 sink = self._sinks.get(out.request_id)
-            if sink is not None:
+                if sink is not None:
+                    batches.setdefault(sink.loop, []).append((sink.queue, out))
+        for loop, batch in batches.items():
+            for _, out in batch:
                 if out.num_output_tokens == 1:
                     hop(out.request_id, "d.deliver")
-                sink.loop.call_soon_threadsafe(sink.queue.put_nowait, out)
-                loops.add(sink.loop)
-        return loops
+            loop.call_soon_threadsafe(_put_all, batch)
+        return set(batches)
 
     def _deliver_handoff(self, outputs: list[RequestOutput]) -> None:
         """Deliver the outputs of a handoff (D: the connector's events, i.e. P's first tokens
@@ -202,6 +209,12 @@ class AsyncEngine:
                 error=msg,
             )
             sink.loop.call_soon_threadsafe(sink.queue.put_nowait, out)
+
+
+def _put_all(batch: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+    """Runs on the loop: one step's outputs into their requests' queues, in step order."""
+    for q, out in batch:
+        q.put_nowait(out)
 
 
 def _after_consumers(loop: asyncio.AbstractEventLoop, done: Callable[[], None]) -> None:
