@@ -23,6 +23,7 @@ import argparse
 import json
 import os
 import signal
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -98,11 +99,29 @@ def window(c: inflight.Cluster, eng: int, variant: str, wl: str, out: Path) -> d
     return row
 
 
+def summarize(rows: list[dict]) -> None:
+    """Medians per workload and placement, and split/same ratios per ABBA pair."""
+    keys = ("tpot_p50", "tpot_p99", "ttft_p50", "d_engine_ms_tok", "d_other_ms_tok")
+    for wl in dict.fromkeys(r["workload"] for r in rows):
+        mine = [r for r in rows if r["workload"] == wl]
+        for v in ("same", "split"):
+            med = {k: statistics.median(r[k] for r in mine if r["variant"] == v) for k in keys}
+            print(wl, v, " ".join(f"{k} {x:.3f}" for k, x in med.items()))
+        by_variant = lambda r: r["variant"]  # noqa: E731 - "same" sorts before "split"
+        pairs = [sorted(mine[i : i + 2], key=by_variant) for i in range(0, len(mine), 2)]
+        for k in ("tpot_p50", "d_engine_ms_tok"):
+            print(f"  split/same {k} per pair", [round(b[k] / a[k], 2) for a, b in pairs])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("out", type=Path)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--summary", action="store_true", help="only summarize OUT/rows.json")
     a = ap.parse_args()
+    if a.summary:
+        summarize(json.loads((a.out / "rows.json").read_text()))
+        return
     a.out.mkdir(parents=True, exist_ok=True)
     print(f"start {time.strftime('%F %T')} load {Path('/proc/loadavg').read_text().strip()}")
     c = inflight.start_cluster("push", a.out, isolate=True)
@@ -121,6 +140,7 @@ def main() -> None:
         c.popen.send_signal(signal.SIGINT)
         c.popen.wait(30)
     (a.out / "rows.json").write_text(json.dumps(rows, indent=1))
+    summarize(rows)
     print(f"end {time.strftime('%F %T')} load {Path('/proc/loadavg').read_text().strip()}")
 
 
