@@ -3,7 +3,7 @@
 # push 1P1D builtin:small cluster; raw folded stacks to results/perf/fe-prof/spy.txt.
 # usage: flock /work/notes/bench.lock bash scripts/bench/perf/frontend_spy.sh
 set -u
-cd /work/main
+cd "$(dirname "$0")/../../.."
 OUT=results/perf/fe-prof; rm -rf $OUT; mkdir -p $OUT
 PORT=$(.venv/bin/python -c 'import socket;s=socket.socket();s.bind(("127.0.0.1",0));print(s.getsockname()[1])')
 setsid .venv/bin/python -m pdserve up --kv-transfer push --model builtin:small --port $PORT --log-dir $OUT/logs -- --num-kv-blocks 4096 > $OUT/up.log 2>&1 &
