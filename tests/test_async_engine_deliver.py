@@ -14,35 +14,25 @@ import threading
 import pytest
 
 from pdserve.engine.async_engine import AsyncEngine
-from pdserve.engine.types import (
-    EngineRequest,
-    EngineStats,
-    FinishReason,
-    RequestOutput,
-    SamplingParams,
-)
+from pdserve.engine.types import EngineRequest, FinishReason, RequestOutput, SamplingParams
+from tests.fake_engines import FakeEngine
 
 pytestmark = pytest.mark.timeout(60)
 
 STREAMS, STEPS = 8, 3
 
 
-class BatchEngine:
+class BatchEngine(FakeEngine):
     """Stands in for LLMEngine: steps only once all STREAMS requests are in, then every step
     emits one token per request; the last step finishes them all."""
 
-    connector = None
-
     def __init__(self) -> None:
-        self.early_outputs = None
+        super().__init__()
         self.rids: list[str] = []
         self.steps = 0
 
     def add_request(self, er: EngineRequest) -> list[RequestOutput]:
         self.rids.append(er.request_id)
-        return []
-
-    def poll_connector(self, busy=()) -> list[RequestOutput]:
         return []
 
     def has_work(self) -> bool:
@@ -57,22 +47,6 @@ class BatchEngine:
                 out.finished, out.finish_reason = True, FinishReason.LENGTH
             outs.append(out)
         return outs
-
-    def abort_request(self, request_id: str) -> list[RequestOutput]:
-        return []
-
-    def stats(self) -> EngineStats:
-        return EngineStats(
-            num_running=0,
-            num_waiting=0,
-            num_waiting_for_kv=0,
-            kv_blocks_used=0,
-            kv_blocks_total=1,
-            num_preemptions=0,
-        )
-
-    def close(self) -> None:
-        pass
 
 
 def test_one_loop_wake_up_per_step_and_tokens_in_order() -> None:

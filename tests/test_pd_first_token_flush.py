@@ -23,23 +23,21 @@ import pytest
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.types import (
     EngineRequest,
-    EngineStats,
     FinishReason,
     KVTransferParams,
     RequestOutput,
     SamplingParams,
 )
+from tests.fake_engines import FakeEngine
 
 pytestmark = pytest.mark.timeout(60)
 
 
-class FirstTokenEngine:
+class FirstTokenEngine(FakeEngine):
     """Stands in for LLMEngine: a request whose KV lands at once, then one decode step."""
 
-    connector = None
-
     def __init__(self) -> None:
-        self.early_outputs = None
+        super().__init__()
         self.consumed = threading.Event()  # set by the consumer on the event loop
         self.consumed_before_step: bool | None = None
         self._rid: str | None = None
@@ -67,22 +65,6 @@ class FirstTokenEngine:
         out = RequestOutput(request_id=self._rid, new_token_ids=[8], new_text="b")
         out.finished, out.finish_reason = True, FinishReason.LENGTH
         return [out]
-
-    def abort_request(self, request_id: str) -> list[RequestOutput]:
-        return []
-
-    def stats(self) -> EngineStats:
-        return EngineStats(
-            num_running=0,
-            num_waiting=0,
-            num_waiting_for_kv=0,
-            kv_blocks_used=0,
-            kv_blocks_total=1,
-            num_preemptions=0,
-        )
-
-    def close(self) -> None:
-        pass
 
 
 class PrefillLegEngine(FirstTokenEngine):
