@@ -19,6 +19,7 @@ import time
 import msgspec
 
 from pdserve.engine.scheduler import SchedulerOutput
+from pdserve.tracelog import log_record, parse_record
 
 STEP_LOGGER = "pdserve.engine.steps"
 _PREFIX = "step "
@@ -80,13 +81,10 @@ class StepTracer:
         )
         self._landed = 0
         self._last_end = end
-        self.logger.debug("%s%s", _PREFIX, msgspec.json.encode(rec).decode())
+        log_record(self.logger, _PREFIX, rec)
         return rec
 
 
 def parse_step_line(line: str) -> StepRecord | None:
     """The record in one log line written by `StepTracer`, or None for any other line."""
-    i = line.find(_PREFIX + "{")
-    if i < 0 or STEP_LOGGER not in line[:i]:
-        return None
-    return msgspec.json.decode(line[i + len(_PREFIX) :].strip(), type=StepRecord)
+    return parse_record(line, STEP_LOGGER, _PREFIX, StepRecord)

@@ -20,6 +20,8 @@ import time
 
 import msgspec
 
+from pdserve.tracelog import log_record, parse_record
+
 HOP_LOGGER = "pdserve.handoff"
 _PREFIX = "hop "
 _log = logging.getLogger(HOP_LOGGER)  # looked up once: hops sit on the engine and transport paths
@@ -47,7 +49,7 @@ def hop(key: str, name: str, t: float | None = None, **extra: str | int | float)
         if runq is not None:
             extra["runq"] = runq
         rec = Hop(key=key, name=name, t=time.time() if t is None else t, extra=extra)
-        _log.debug("%s%s", _PREFIX, msgspec.json.encode(rec).decode())
+        log_record(_log, _PREFIX, rec)
 
 
 def _run_queue_s() -> float | None:
@@ -62,7 +64,4 @@ def _run_queue_s() -> float | None:
 
 def parse_hop_line(line: str) -> Hop | None:
     """The hop in one log line written by `hop`, or None for any other line."""
-    i = line.find(_PREFIX + "{")
-    if i < 0 or HOP_LOGGER not in line[:i]:
-        return None
-    return msgspec.json.decode(line[i + len(_PREFIX) :].strip(), type=Hop)
+    return parse_record(line, HOP_LOGGER, _PREFIX, Hop)

@@ -1,0 +1,30 @@
+"""Handoff trace: `hop` lines read back by `parse_hop_line`; off by default."""
+
+from __future__ import annotations
+
+import logging
+
+from pdserve.transfer.hoptrace import HOP_LOGGER, hop, parse_hop_line
+
+SERVE_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"  # pdserve serve's
+
+
+def test_hop_lines_read_back(caplog) -> None:
+    caplog.set_level(logging.DEBUG, logger=HOP_LOGGER)
+    hop("t1", "p.prefill_done", t=123.5, layer=3)
+    fmt = logging.Formatter(SERVE_FORMAT)
+    (rec,) = [parse_hop_line(fmt.format(r)) for r in caplog.records if r.name == HOP_LOGGER]
+    assert (rec.key, rec.name, rec.t) == ("t1", "p.prefill_done", 123.5)
+    assert rec.extra["layer"] == 3
+    assert rec.extra["cpu"] >= 0.0  # the calling thread's CPU time rides along
+
+
+def test_off_by_default(caplog) -> None:
+    caplog.set_level(logging.INFO, logger=HOP_LOGGER)
+    hop("t1", "p.prefill_done")
+    assert not [r for r in caplog.records if r.name == HOP_LOGGER]
+
+
+def test_other_lines_are_not_hops() -> None:
+    assert parse_hop_line("2026-12-01 DEBUG pdserve.engine.steps: step {}") is None
+    assert parse_hop_line('2026-12-01 INFO pdserve.serve: hop {"key": "x"}') is None
