@@ -17,4 +17,4 @@ BP=$!
 sleep 3
 .venv/bin/py-spy record -p $DPID -d 15 -r 200 --format raw -o $OUT/spy.txt --threads > /dev/null 2>&1
 wait $BP
-kill -INT $UP; wait $UP
+kill -TERM $UP; wait $UP  # TERM: a background job of a script ignores SIGINT
