@@ -151,9 +151,9 @@ def stop(p: subprocess.Popen) -> None:
 def window(c: Cluster, w: Workload, out: Path, tag: str, background: bool, spy: bool) -> dict:
     bg = None
     if background:
-        bg = bench(
-            c.url, bg_args(w, seed=sum(map(ord, tag))), None, out / f"bg-{tag}.log", w.isolate
-        )
+        # seeded by the window ("B1"), not the mode: both modes get the same arrivals
+        seed = sum(map(ord, tag.split("-", 1)[1]))
+        bg = bench(c.url, bg_args(w, seed=seed), None, out / f"bg-{tag}.log", w.isolate)
         time.sleep(w.bg_lead_s)
     spy_p = None
     if spy and PYSPY.exists():
