@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import signal
 import sys
 import time
 from pathlib import Path
@@ -73,10 +72,8 @@ def main() -> None:
                 inflight.bench(c.url, warm, None, a.out / "warm.log", core0=True).wait()
                 rows += [{"round": r, **measure(c, mode, wl, a.out)} for wl in WORKLOADS]
             finally:
-                c.popen.send_signal(signal.SIGINT)
-                c.popen.wait(30)
-    (a.out / "rows.json").write_text(json.dumps(rows, indent=1))
-    print(f"end {time.strftime('%F %T')} load {Path('/proc/loadavg').read_text().strip()}")
+                tp.stop(c)
+    tp.finish(a.out, rows)
 
 
 if __name__ == "__main__":

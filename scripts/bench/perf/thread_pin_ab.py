@@ -113,6 +113,17 @@ def summarize(rows: list[dict]) -> None:
             print(f"  split/same {k} per pair", [round(b[k] / a[k], 2) for a, b in pairs])
 
 
+def stop(c: inflight.Cluster) -> None:
+    """Stop a cluster we started (`pdserve up` stops its instances on SIGINT), by its PID."""
+    c.popen.send_signal(signal.SIGINT)
+    c.popen.wait(30)
+
+
+def finish(out: Path, rows: list[dict]) -> None:
+    (out / "rows.json").write_text(json.dumps(rows, indent=1))
+    print(f"end {time.strftime('%F %T')} load {Path('/proc/loadavg').read_text().strip()}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("out", type=Path)
@@ -137,11 +148,9 @@ def main() -> None:
                 for variant in order + order[::-1]:
                     rows.append({"round": r, **window(c, eng, variant, wl, a.out)})
     finally:
-        c.popen.send_signal(signal.SIGINT)
-        c.popen.wait(30)
-    (a.out / "rows.json").write_text(json.dumps(rows, indent=1))
+        stop(c)
     summarize(rows)
-    print(f"end {time.strftime('%F %T')} load {Path('/proc/loadavg').read_text().strip()}")
+    finish(a.out, rows)
 
 
 if __name__ == "__main__":

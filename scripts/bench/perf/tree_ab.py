@@ -12,7 +12,6 @@ usage: flock /work/notes/bench.lock .venv/bin/python scripts/bench/perf/tree_ab.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import signal
@@ -76,10 +75,8 @@ def main() -> None:
                     row = tp.window(c, eng, "same", wl, a.out)
                     rows.append({"round": r, "tree": name, **row})
             finally:
-                c.popen.send_signal(signal.SIGINT)
-                c.popen.wait(30)
-    (a.out / "rows.json").write_text(json.dumps(rows, indent=1))
-    print(f"end {time.strftime('%F %T')} load {Path('/proc/loadavg').read_text().strip()}")
+                tp.stop(c)
+    tp.finish(a.out, rows)
 
 
 if __name__ == "__main__":
