@@ -41,7 +41,7 @@ log = logging.getLogger("pdserve.serve")
 API_KEY_ENV = "PDSERVE_API_KEY"
 SHUTDOWN_GRACE_S = 5.0  # in-flight requests get this long to finish on SIGTERM
 # asyncio's own loop, also where uvloop is installed: measured with push (docs/benchmarks.md,
-# "uvloop and httptools"), uvloop under the instances and the router made the handoff 1-3 ms
+# "uvloop and httptools"), uvloop under the instances and the router made the handoff 1-2 ms
 # longer for no gain in CPU per token that httptools alone does not give.
 UVICORN_LOOP = "asyncio"
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")

@@ -18,7 +18,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import thread_pin_ab as tp  # cluster helpers (scripts/bench/tpot_inflight/run.py) and procstat
+import thread_pin_ab as tp  # cluster helpers (scripts/bench/tpot_inflight/run.py)
+from procstat import cpu_s, thread_cpu  # importable: thread_pin_ab put scripts/bench on the path
 
 inflight = tp.inflight
 WORKLOADS = {
@@ -32,11 +33,11 @@ WORKLOADS = {
 def measure(c: inflight.Cluster, mode: str, wl: str, out: Path) -> dict:
     p = c.pids["prefill"]
     eng = tp.engine_thread(p)
-    t0, d0 = tp.thread_cpu(p), tp.cpu_s(c.pids["decode"])
+    t0, d0 = thread_cpu(p), cpu_s(c.pids["decode"])
     res_path = out / f"{mode}-{wl}-{time.strftime('%H%M%S')}.json"
     b = inflight.bench(c.url, WORKLOADS[wl], res_path, out / "bench.log", core0=True)
     b.wait()
-    t1, d1 = tp.thread_cpu(p), tp.cpu_s(c.pids["decode"])
+    t1, d1 = thread_cpu(p), cpu_s(c.pids["decode"])
     res = json.loads(res_path.read_text())
     n = res["completed"]
     eng_s = t1[str(eng)] - t0.get(str(eng), 0)

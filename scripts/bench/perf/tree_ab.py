@@ -12,10 +12,6 @@ usage: flock /work/notes/bench.lock .venv/bin/python scripts/bench/perf/tree_ab.
 from __future__ import annotations
 
 import argparse
-import os
-import re
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -24,31 +20,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import thread_pin_ab as tp  # the workloads, the window and the thread helpers
 
 inflight = tp.inflight
-
-
-def start(tree: Path, out: Path, tag: str) -> inflight.Cluster:
-    port = inflight.free_port()
-    log_path = out / f"up-{tag}.log"
-    log = open(log_path, "w")  # noqa: SIM115 - lives as long as the cluster
-    cmd = [inflight.PY, "-m", "pdserve", "up", "--kv-transfer", "push", "--model", "builtin:small"]
-    cmd += ["--port", str(port), "--log-dir", str(out / f"logs-{tag}")]
-    cmd += ["--", "--num-kv-blocks", "4096"]
-    popen = subprocess.Popen(cmd, cwd=tree, stdout=log, stderr=subprocess.STDOUT)
-    text = ""
-    for _ in range(300):
-        text = log_path.read_text()
-        if "Ctrl-C stops" in text or popen.poll() is not None:
-            break
-        time.sleep(1)
-    found = dict(re.findall(r"^\s+(prefill|decode|router)\s+http://\S+\s+pid (\d+)", text, re.M))
-    if len(found) != 3:
-        popen.send_signal(signal.SIGINT)
-        popen.wait()
-        sys.exit(f"cluster {tag} did not come up; see {log_path}")
-    pids = {role: int(pid) for role, pid in found.items()}
-    for tid in Path(f"/proc/{pids['router']}/task").iterdir():
-        os.sched_setaffinity(int(tid.name), {0})
-    return inflight.Cluster(popen, f"http://127.0.0.1:{port}", "", pids)
 
 
 def main() -> None:
@@ -65,7 +36,8 @@ def main() -> None:
     for r in range(a.rounds):
         order = ("before", "after") if r % 2 == 0 else ("after", "before")
         for name in order:
-            c = start(getattr(a, name).resolve(), a.out, f"{name}-{r}")
+            tree = getattr(a, name).resolve()
+            c = inflight.start_cluster("push", a.out, True, cwd=tree, tag=f"{name}-{r}")
             try:
                 for wl in tp.WORKLOADS:
                     warm = tp.with_prompts(tp.WORKLOADS[wl], 4)

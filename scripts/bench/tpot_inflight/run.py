@@ -64,26 +64,30 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_cluster(mode: str, out: Path, isolate: bool) -> Cluster:
-    """Start `pdserve up`; retried because another user may take the free port before it binds."""
+def start_cluster(
+    mode: str, out: Path, isolate: bool, cwd: Path = REPO, tag: str | None = None
+) -> Cluster:
+    """Start `pdserve up`; retried because another user may take the free port before it binds.
+    `cwd` holds the `pdserve/` tree to run (a copy for code A/Bs); `tag` names its logs."""
+    tag = tag or mode
     for attempt in range(3):
-        c = try_start(mode, out, isolate)
+        c = try_start(mode, out, isolate, cwd, tag)
         if c is not None:
             return c
-        print(f"cluster {mode} failed (attempt {attempt + 1}); retrying", flush=True)
-    sys.exit(f"cluster {mode} failed 3 times; see {out}/up-{mode}.log")
+        print(f"cluster {tag} failed (attempt {attempt + 1}); retrying", flush=True)
+    sys.exit(f"cluster {tag} failed 3 times; see {out}/up-{tag}.log")
 
 
-def try_start(mode: str, out: Path, isolate: bool) -> Cluster | None:
+def try_start(mode: str, out: Path, isolate: bool, cwd: Path, tag: str) -> Cluster | None:
     port = free_port()
-    log = open(out / f"up-{mode}.log", "w")  # noqa: SIM115 - lives as long as the cluster
+    log = open(out / f"up-{tag}.log", "w")  # noqa: SIM115 - lives as long as the cluster
     cmd = [PY, "-m", "pdserve", "up", "--kv-transfer", mode, "--model", "builtin:small"]
-    cmd += ["--port", str(port), "--log-dir", str(out / f"logs-{mode}")]
+    cmd += ["--port", str(port), "--log-dir", str(out / f"logs-{tag}")]
     cmd += ["--", "--num-kv-blocks", "4096"]
-    popen = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    popen = subprocess.Popen(cmd, cwd=cwd, stdout=log, stderr=subprocess.STDOUT)
     text = ""
     for _ in range(300):
-        text = (out / f"up-{mode}.log").read_text()
+        text = (out / f"up-{tag}.log").read_text()
         if "Ctrl-C stops" in text or popen.poll() is not None:
             break
         time.sleep(1)
