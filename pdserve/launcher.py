@@ -27,6 +27,11 @@ transport authentication is on in every local cluster; it travels in the environ
 on a command line (those are logged and visible in `ps`). `pdserve up` writes it, mode 0600,
 to `<log dir>/cluster-token` for instances started by hand later.
 
+Ports: the launcher picks every port of a start at once, all distinct (`pdserve.ports`). A
+child that finds one taken anyway (another process got there between the pick and the bind)
+exits with `EXIT_ADDRESS_IN_USE`, and the whole start is tried again on new ports. Health
+counts only when the child itself listens on its port, not some other process there.
+
 Restarts: each P/D instance gets fixed HTTP and side-channel ports, so
 `restart_instance(name)` (SIGKILL by PID, then the same command again) brings it back
 where routers and peers look for it, as a new incarnation.
@@ -40,7 +45,6 @@ import logging
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -52,6 +56,7 @@ from typing import Literal
 
 import httpx
 
+from pdserve.ports import EXIT_ADDRESS_IN_USE, free_ports, listens
 from pdserve.router.config import POLICY_NAMES
 
 log = logging.getLogger(__name__)
@@ -60,10 +65,19 @@ InstanceRole = Literal["prefill", "decode", "both"]
 _LOG_TAIL_LINES = 30
 TOKEN_ENV = "PDSERVE_CLUSTER_TOKEN"  # what `pdserve serve` reads (pdserve.transfer.factory)
 TOKEN_FILE = "cluster-token"
+START_ATTEMPTS = 3  # cluster starts tried when a child's port was taken (see ClusterError)
 
 
 class ClusterError(RuntimeError):
-    """The cluster could not start (the message carries the failing process's log tail)."""
+    """The cluster could not start (the message carries the failing process's log tail).
+
+    `port_in_use`: a child exited because a port picked for it was taken meanwhile; starting
+    again on other ports may well work (`Cluster.start` does, `START_ATTEMPTS` times).
+    """
+
+    def __init__(self, message: str, *, port_in_use: bool = False) -> None:
+        super().__init__(message)
+        self.port_in_use = port_in_use
 
 
 @dataclass(frozen=True)
@@ -185,13 +199,6 @@ def assign_cores(count: int, available: Sequence[int]) -> list[tuple[int, ...]] 
     return [tuple(cores[i * per : (i + 1) * per]) for i in range(count)]
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port free right now (the child binds it moments later)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
 class Cluster:
     """A local cluster of instance processes and a router; see the module docstring."""
 
@@ -215,14 +222,29 @@ class Cluster:
     # -- lifecycle ------------------------------------------------------------------------
 
     def start(self) -> Cluster:
-        """Start everything and wait until all of it is healthy (bounded)."""
+        """Start everything and wait until all of it is healthy (bounded). Ports are picked
+        anew and everything started again when a child finds a port taken (a race with
+        other processes that picking ports ahead cannot close), up to `START_ATTEMPTS`."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
         deadline = time.monotonic() + self.config.startup_timeout_s
+        for _ in range(START_ATTEMPTS - 1):
+            try:
+                return self._start_once(deadline)
+            except ClusterError as exc:
+                if not exc.port_in_use:
+                    raise
+                log.warning("a port was taken (%s); starting again on other ports", exc)
+        return self._start_once(deadline)
+
+    def _start_once(self, deadline: float) -> Cluster:
+        """One start on freshly picked ports; on failure, stops what it started."""
+        self.instances, self.router = [], None
+        *ports, router_port = free_ports(self._ports_needed() + 1)
         try:
-            for spec in self.instance_specs():
+            for spec in self.instance_specs(ports):
                 self.instances.append(self._start_instance(spec))
             if not self.config.monolithic:
-                self.router = self._start_router()
+                self.router = self._start_router(router_port)
             _wait_healthy(self.instances, deadline)
             if self.router is not None:
                 _wait_healthy([self.router], deadline)
@@ -324,19 +346,29 @@ class Cluster:
 
     # -- starting -------------------------------------------------------------------------
 
-    def instance_specs(self) -> list[InstanceSpec]:
-        """What to start, in start order (prefill first), with ports and cores assigned."""
+    def _roles(self) -> list[InstanceRole]:
         c = self.config
-        roles: list[InstanceRole] = (
-            ["both"] if c.monolithic else ["prefill"] * c.num_prefill + ["decode"] * c.num_decode
-        )
+        return ["both"] if c.monolithic else ["prefill"] * c.num_prefill + ["decode"] * c.num_decode
+
+    def _ports_needed(self) -> int:
+        """Ports `instance_specs` takes: HTTP and side channel per P/D instance."""
+        return len(self._roles()) * (1 if self.config.monolithic else 2)
+
+    def instance_specs(self, ports: Sequence[int] | None = None) -> list[InstanceSpec]:
+        """What to start, in start order (prefill first), with ports and cores assigned.
+        `ports`: `_ports_needed()` distinct free ports to use (default: picked here)."""
+        c = self.config
+        roles = self._roles()
+        free = iter(ports if ports is not None else free_ports(self._ports_needed()))
         shares = assign_cores(len(roles), sorted(os.sched_getaffinity(0))) if c.pin_cores else None
         index: dict[str, int] = {}
         specs = []
         pd = not c.monolithic
         for i, role in enumerate(roles):
             index[role] = index.get(role, -1) + 1
-            port = c.port if c.monolithic and c.port else free_port()
+            port = next(free)
+            if c.monolithic and c.port:
+                port = c.port
             host = c.host if c.monolithic else "127.0.0.1"
             cores = shares[i] if shares else None
             specs.append(
@@ -350,7 +382,7 @@ class Cluster:
                     c.model,
                     cores,
                     c.instance_args,
-                    side_port=free_port() if pd else None,
+                    side_port=next(free) if pd else None,
                 )
             )
         return specs
@@ -365,9 +397,9 @@ class Cluster:
             os.sched_setaffinity(proc.pid, spec.cores)
         return proc
 
-    def _start_router(self) -> ManagedProcess:
+    def _start_router(self, free_port: int) -> ManagedProcess:
         c = self.config
-        port = c.port or free_port()
+        port = c.port or free_port
         urls = {r: [p.url for p in self.instances if p.role == r] for r in ("prefill", "decode")}
         cmd = [
             sys.executable,
@@ -467,9 +499,10 @@ def _wait_healthy(procs: Sequence[ManagedProcess], deadline: float) -> None:
                     raise ClusterError(
                         f"{p.name} (pid {p.pid}) exited with code "
                         f"{p.popen.returncode} during start-up; log "
-                        f"{p.log_path}:\n{p.log_tail()}"
+                        f"{p.log_path}:\n{p.log_tail()}",
+                        port_in_use=p.popen.returncode == EXIT_ADDRESS_IN_USE,
                     )
-                if _healthy(client, p.url):
+                if _healthy(client, p):
                     pending.remove(p)
             if pending and time.monotonic() > deadline:
                 tails = "\n".join(f"--- {p.name} ({p.log_path}):\n{p.log_tail()}" for p in pending)
@@ -479,11 +512,14 @@ def _wait_healthy(procs: Sequence[ManagedProcess], deadline: float) -> None:
                 time.sleep(0.2)
 
 
-def _healthy(client: httpx.Client, url: str) -> bool:
+def _healthy(client: httpx.Client, p: ManagedProcess) -> bool:
+    """`p` answers /health 200, and it is `p` that answers: a process that another one
+    beat to its port must not pass for healthy on that one's answers."""
     try:
-        return client.get(f"{url}/health").status_code == 200
+        ok = client.get(f"{p.url}/health").status_code == 200
     except httpx.HTTPError:
         return False
+    return ok and listens(p.pid, httpx.URL(p.url).port or 80)
 
 
 # -- the `pdserve up` command ---------------------------------------------------------------

@@ -8,7 +8,9 @@ passes `port_args=False` and its own flags), logs to a file (a pipe could fill u
 the child), and is stopped with SIGTERM, then SIGKILL after `grace_s`. A process that dies
 or does not become healthy within `startup_timeout_s` raises `ProcessFailed` with the tail
 of its log. Several processes (P/D clusters) are just several context managers, e.g. in
-a `contextlib.ExitStack`; `free_port()` reserves extra ports for side channels.
+a `contextlib.ExitStack`; `free_ports(n)` picks n distinct ports for side channels and the
+like (`pdserve.ports`). A process given no port that finds the one picked for it taken
+meanwhile is started again on another; health counts only when the process itself listens.
 
 `host` and `prefix` place a process elsewhere: `prefix=("ip", "netns", "exec", NS)` runs it in
 network namespace NS (`ip netns exec` execs the command, so the PID is still pdserve's own),
@@ -21,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -33,20 +34,18 @@ from typing import Any
 
 import httpx
 
+from pdserve.ports import EXIT_ADDRESS_IN_USE, free_port, free_ports, listens
+
+__all__ = ["PdserveProcess", "ProcessFailed", "free_port", "free_ports", "greedy_body"]
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 HOST = "127.0.0.1"
 _LOG_TAIL_CHARS = 6000
+_START_ATTEMPTS = 3  # when the port picked for a process is taken before it binds it
 
 
 class ProcessFailed(RuntimeError):
     """The process exited early or did not become healthy in time."""
-
-
-def free_port() -> int:
-    """A port that was free a moment ago on 127.0.0.1 (the OS picks it)."""
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
 
 
 class PdserveProcess:
@@ -65,9 +64,9 @@ class PdserveProcess:
         host: str = HOST,
         prefix: Sequence[str] = (),
     ) -> None:
-        self.port = port or free_port()
-        self.url = f"http://{host}:{self.port}"
-        self.args = [*args, *(["--host", host, "--port", str(self.port)] if port_args else [])]
+        self._repick = port is None and port_args  # our pick: another is fine if it is taken
+        self._base_args, self._host, self._port_args = list(args), host, port_args
+        self._use_port(port or free_port())
         self.prefix = list(prefix)  # e.g. ("ip", "netns", "exec", NS), which execs the rest
         self.health_path = health_path
         self.startup_timeout_s = startup_timeout_s
@@ -75,6 +74,12 @@ class PdserveProcess:
         self.env = {**os.environ, **(env or {})}
         self.log_path = Path(tempfile.mkstemp(prefix="pdserve-", suffix=".log")[1])
         self._proc: subprocess.Popen[bytes] | None = None
+
+    def _use_port(self, port: int) -> None:
+        self.port = port
+        self.url = f"http://{self._host}:{port}"
+        flags = ["--host", self._host, "--port", str(port)] if self._port_args else []
+        self.args = [*self._base_args, *flags]
 
     @property
     def pid(self) -> int:
@@ -90,6 +95,16 @@ class PdserveProcess:
         """Start the process and wait until `health_path` answers 200."""
         if self._proc is not None:
             raise RuntimeError(f"{self} was already started")
+        for _ in range(_START_ATTEMPTS - 1):
+            try:
+                return self._start_once()
+            except ProcessFailed:
+                if not (self._repick and self.returncode == EXIT_ADDRESS_IN_USE):
+                    raise
+            self._use_port(free_port())
+        return self._start_once()
+
+    def _start_once(self) -> PdserveProcess:
         cmd = [*self.prefix, sys.executable, "-m", "pdserve", *self.args]
         with open(self.log_path, "wb") as log:
             self._proc = subprocess.Popen(
@@ -109,7 +124,8 @@ class PdserveProcess:
             if self.returncode is not None:
                 raise ProcessFailed(f"{self} exited with code {self.returncode}\n{self.log()}")
             try:
-                if httpx.get(self.url + self.health_path, timeout=2.0).status_code == 200:
+                ok = httpx.get(self.url + self.health_path, timeout=2.0).status_code == 200
+                if ok and listens(self.pid, self.port):  # not another process on our port
                     return
             except httpx.HTTPError:
                 pass

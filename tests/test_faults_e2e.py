@@ -18,7 +18,7 @@ from contextlib import ExitStack
 import httpx
 import pytest
 
-from tests.procs import PdserveProcess, free_port
+from tests.procs import PdserveProcess, free_ports
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -30,7 +30,7 @@ class Trio:
 
     def __init__(self, mode: str, p_args=(), d_args=()) -> None:
         self.mode = mode
-        self.ports = {name: free_port() for name in ("p", "p_side", "d", "router")}
+        self.ports = dict(zip(("p", "p_side", "d", "router"), free_ports(4), strict=True))
         self.p_args, self.d_args = tuple(p_args), tuple(d_args)
         self.procs: dict[str, PdserveProcess] = {}
         self.stack = ExitStack()

@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -22,6 +23,7 @@ from pdserve.launcher import (
     config_from_args,
     serve_command,
 )
+from pdserve.ports import EXIT_ADDRESS_IN_USE
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -268,3 +270,52 @@ def test_up_command_stops_everything_when_a_child_dies(tmp_path: Path) -> None:
     assert "prefill-0" in out and "exited" in out
     for pid in pids.values():
         _assert_gone(pid)
+
+
+# -- ports: a child whose port was taken ------------------------------------------------------
+
+
+def _fails_once_with_port_taken(marker: Path) -> Callable[[InstanceSpec], list[str]]:
+    """Instance commands whose prefill exits as a taken port would make it, the first time."""
+
+    def command(spec: InstanceSpec) -> list[str]:
+        if spec.role != "prefill":
+            return fake_command(spec)
+        script = (
+            "import os, runpy, sys;"
+            f"first = not os.path.exists({str(marker)!r});"
+            f"open({str(marker)!r}, 'a').write({str(spec.port)!r} + '\\n');"
+            f"first and sys.exit({EXIT_ADDRESS_IN_USE});"
+            f"sys.argv = [{str(FAKE)!r}, '--role', 'prefill', '--port', {str(spec.port)!r}];"
+            f"runpy.run_path({str(FAKE)!r}, run_name='__main__')"
+        )
+        return [sys.executable, "-c", script]
+
+    return command
+
+
+@pytest.mark.slow  # two 3-process cluster starts
+def test_a_child_finding_its_port_taken_makes_the_cluster_start_again(tmp_path: Path) -> None:
+    marker = tmp_path / "prefill-starts"
+    config = ClusterConfig(kv_transfer="push", log_dir=tmp_path, port=None, startup_timeout_s=60)
+    with Cluster(config, instance_command=_fails_once_with_port_taken(marker)) as cluster:
+        prefill = cluster.instance("prefill-0")
+        assert httpx.get(f"{cluster.router_url}/health", timeout=5).status_code == 200
+        assert prefill.alive() and str(httpx.URL(prefill.url).port) in marker.read_text()
+    assert len(marker.read_text().split()) == 2  # the failed start, then the one that served
+    assert all(_gone(p.popen) for p in cluster.processes)
+
+
+def test_other_start_failures_are_not_retried(tmp_path: Path) -> None:
+    marker = tmp_path / "decode-starts"
+
+    def crashing(spec: InstanceSpec) -> list[str]:
+        if spec.role != "decode":
+            return fake_command(spec)
+        script = f"import sys; open({str(marker)!r}, 'a').write('x\\n'); sys.exit(1)"
+        return [sys.executable, "-c", script]
+
+    config = ClusterConfig(kv_transfer="pull", log_dir=tmp_path, port=None, startup_timeout_s=60)
+    with pytest.raises(ClusterError, match="exited with code 1") as info:
+        Cluster(config, instance_command=crashing).start()
+    assert not info.value.port_in_use and marker.read_text().split() == ["x"]

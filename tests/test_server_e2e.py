@@ -7,7 +7,11 @@ the last checks rely on (no KV block stays in use).
 from __future__ import annotations
 
 import json
+import os
+import signal
 import socket
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -16,6 +20,8 @@ import httpx
 import openai
 import pytest
 from procs import PdserveProcess, ProcessFailed
+
+from pdserve.ports import EXIT_ADDRESS_IN_USE, bind_socket
 
 MAX_MODEL_LEN = 2048  # long enough that a full-length reply takes seconds on a CPU
 PROMPT = "The capital of France is"
@@ -234,11 +240,47 @@ def test_unknown_model_fails_with_its_log() -> None:
     assert proc.returncode not in (None, 0)
 
 
-def test_port_in_use_exits_1() -> None:
+def test_port_in_use_exits_with_its_own_status() -> None:
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         proc = PdserveProcess(["serve"], port=taken.getsockname()[1], startup_timeout_s=60)
         with pytest.raises(ProcessFailed, match="cannot listen"):
             proc.start()
-    assert proc.returncode == 1
+    assert proc.returncode == EXIT_ADDRESS_IN_USE  # what tells a launcher to try other ports
+
+
+def test_side_channel_port_in_use_exits_with_the_same_status() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        side = str(taken.getsockname()[1])
+        args = ["serve", "--role", "prefill", "--kv-transfer", "push", "--model", "builtin:tiny"]
+        proc = PdserveProcess([*args, "--side-channel-port", side], startup_timeout_s=60)
+        with pytest.raises(ProcessFailed, match=f"side channel: cannot bind 127.0.0.1:{side}"):
+            proc.start()
+    assert proc.returncode == EXIT_ADDRESS_IN_USE
+
+
+def test_beaten_to_its_port_while_loading_it_exits_instead_of_serving(tmp_path) -> None:
+    """Another process binds the same port with SO_REUSEADDR while the instance loads, and
+    listens first: the instance must exit with the port-taken status, not live on unheard
+    while the other process answers its health checks."""
+    log = tmp_path / "serve.log"
+    other = bind_socket("127.0.0.1", 0)
+    port = other.getsockname()[1]
+    cmd = [sys.executable, "-m", "pdserve", "serve", "--model", "builtin:tiny"]
+    cmd += ["--host", "127.0.0.1", "--port", str(port)]
+    with other, open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+        try:
+            # "loading" is logged once its socket is bound; stopped there, it cannot listen.
+            assert wait_for(lambda: "loading" in log.read_text() or proc.poll() is not None)
+            os.kill(proc.pid, signal.SIGSTOP)
+            other.listen()
+            os.kill(proc.pid, signal.SIGCONT)
+            assert proc.wait(timeout=120) == EXIT_ADDRESS_IN_USE, log.read_text()
+        finally:
+            proc.kill()
+            proc.wait()
+    assert "another process listens there" in log.read_text()

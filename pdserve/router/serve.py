@@ -8,6 +8,7 @@ import os
 
 import uvicorn
 
+from pdserve.ports import EXIT_ADDRESS_IN_USE, bind_socket, is_address_in_use
 from pdserve.router.app import create_app
 from pdserve.router.config import (
     DEFAULT_LOCAL_PREFILL_BELOW,
@@ -15,7 +16,9 @@ from pdserve.router.config import (
     RouterConfig,
     normalize_url,
 )
-from pdserve.server.serve import UVICORN_LOOP
+from pdserve.server.serve import LISTEN_BACKLOG, UVICORN_LOOP
+
+log = logging.getLogger(__name__)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -101,11 +104,15 @@ def main(args: argparse.Namespace) -> int:
     )
     # httpx logs every request at INFO: each health probe and leg would be a line.
     logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.root.level))
+    try:
+        sock = bind_socket(config.host, config.port)
+        sock.listen(LISTEN_BACKLOG)
+    except OSError as exc:
+        log.error("cannot listen on %s:%d: %s", config.host, config.port, exc)
+        return EXIT_ADDRESS_IN_USE if is_address_in_use(exc) else 1
     server = uvicorn.Server(
         uvicorn.Config(
             create_app(config),
-            host=config.host,
-            port=config.port,
             log_level=args.log_level,
             access_log=args.access_log,
             # Open client streams must not hold a shutdown (Ctrl-C, `pdserve up` stopping) long.
@@ -113,5 +120,6 @@ def main(args: argparse.Namespace) -> int:
             loop=UVICORN_LOOP,
         )
     )
-    server.run()
+    with sock:
+        server.run(sockets=[sock])
     return 0

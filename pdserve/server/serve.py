@@ -31,10 +31,12 @@ from pdserve.config import (
     SchedulerConfig,
     ServerConfig,
 )
+from pdserve.ports import EXIT_ADDRESS_IN_USE, bind_socket, is_address_in_use
 from pdserve.transfer.factory import add_transfer_arguments
 
 if TYPE_CHECKING:
     from pdserve.engine.async_engine import AsyncEngine
+    from pdserve.engine.engine import LLMEngine
 
 log = logging.getLogger("pdserve.serve")
 
@@ -44,6 +46,7 @@ SHUTDOWN_GRACE_S = 5.0  # in-flight requests get this long to finish on SIGTERM
 # "uvloop and httptools"), uvloop under the instances and the router made the handoff 1-2 ms
 # longer for no gain in CPU per token that httptools alone does not give.
 UVICORN_LOOP = "asyncio"
+LISTEN_BACKLOG = 2048  # uvicorn's default; it keeps the backlog given here
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
 
@@ -201,10 +204,12 @@ def main(args: argparse.Namespace) -> int:
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # NIXL logs INFO to stdout otherwise
     engine_cfg, server_cfg = configs_from_args(args)
     try:
-        sock = _bind(server_cfg.host, server_cfg.port)
+        # Bound before the model loads, listening only after: until then connections are
+        # refused (health probes fail fast) instead of queueing.
+        sock = bind_socket(server_cfg.host, server_cfg.port)
     except OSError as exc:
         log.error("cannot listen on %s:%d: %s", server_cfg.host, server_cfg.port, exc)
-        return 1
+        return EXIT_ADDRESS_IN_USE if is_address_in_use(exc) else 1
     from pdserve.engine.async_engine import AsyncEngine  # torch: imported once the port is ours
     from pdserve.engine.engine import LLMEngine
     from pdserve.transfer.factory import make_connector_factory
@@ -222,6 +227,13 @@ def main(args: argparse.Namespace) -> int:
         except BackendUnavailableError as exc:
             log.error("%s", exc)
             return 2
+        except OSError as exc:
+            if not is_address_in_use(exc):
+                raise
+            log.error("%s", exc)  # the side channel's port (its message names it)
+            return EXIT_ADDRESS_IN_USE
+        if not _listen(sock, engine):
+            return EXIT_ADDRESS_IN_USE
         async_engine = AsyncEngine(engine)
         async_engine.start()
         try:
@@ -232,19 +244,19 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
-def _bind(host: str, port: int) -> socket.socket:
-    """A socket bound to host:port but not listening yet: until the model is loaded,
-    connections are refused (health probes fail fast) instead of queueing."""
-    info = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    family, kind, proto, _, address = info[0]
-    sock = socket.socket(family, kind, proto)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+def _listen(sock: socket.socket, engine: LLMEngine) -> bool:
+    """Start listening on `sock`; False (logged, engine closed) if another socket bound the
+    same port meanwhile and listens on it (see `pdserve.ports.bind_socket`)."""
     try:
-        sock.bind(address)
-    except OSError:
-        sock.close()
-        raise
-    return sock
+        sock.listen(LISTEN_BACKLOG)
+    except OSError as exc:
+        if not is_address_in_use(exc):
+            raise
+        host, port = sock.getsockname()[:2]
+        log.error("cannot listen on %s:%d: another process listens there", host, port)
+        engine.close()
+        return False
+    return True
 
 
 def _serve_http(

@@ -94,10 +94,13 @@ class SideChannel:
         self._ctx = zmq.Context()
         self._pull = self._ctx.socket(zmq.PULL)
         self._pull.setsockopt(zmq.LINGER, 0)
-        if port:
-            self._pull.bind(f"tcp://{host}:{port}")
-        else:
-            port = self._pull.bind_to_random_port(f"tcp://{host}")
+        try:
+            port = self._bind(host, port)
+        except zmq.ZMQError as exc:
+            self._pull.close()
+            self._ctx.term()
+            # An OSError with the errno, so that `pdserve serve` can tell "port taken" apart
+            raise OSError(exc.errno, f"side channel: cannot bind {host}:{port}: {exc}") from exc
         # What peers are told (in /kv/info, pull params, reply_to): a wildcard bind address
         # would send them to their own host. `pdserve serve` refuses that combination.
         self.address: Address = (advertise_host or host, port)
@@ -111,6 +114,13 @@ class SideChannel:
         self.num_rejected = 0
         self._thread = threading.Thread(target=self._recv_loop, name="pdserve-side", daemon=True)
         self._thread.start()
+
+    def _bind(self, host: str, port: int) -> int:
+        """Bind the inbox to host:port (0: a free port); the port bound."""
+        if not port:
+            return self._pull.bind_to_random_port(f"tcp://{host}")
+        self._pull.bind(f"tcp://{host}:{port}")
+        return port
 
     # -- sending ---------------------------------------------------------------------------
     def send(self, to: Address, msg: m.Message) -> None:

@@ -15,7 +15,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,16 +22,12 @@ from pathlib import Path
 
 import httpx
 
+from pdserve.ports import free_port
+
 PY = sys.executable
 # Results go to the repo's results/routing/ (git-ignored), not next to this script.
 OUT = Path(__file__).resolve().parents[3] / "results" / "routing"
 PROCS: list[subprocess.Popen] = []
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def spawn(name: str, args: list[str], cores: str | None) -> str:

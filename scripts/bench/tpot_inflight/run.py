@@ -17,7 +17,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -27,6 +26,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from procstat import cpu_s, run_delay_s
+
+from pdserve.ports import free_port
 
 REPO = Path(__file__).resolve().parents[3]
 PY = str(REPO / ".venv/bin/python")
@@ -56,12 +57,6 @@ class Cluster:
     url: str
     decode_url: str
     pids: dict[str, int]  # role -> PID: prefill, decode, router
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_cluster(

@@ -20,7 +20,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -29,15 +28,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from procstat import run_delay_s, thread_cpu, thread_names
 
+from pdserve.ports import free_port
+
 REPO = Path(__file__).resolve().parents[3]
 PY = str(REPO / ".venv/bin/python")
 MODES = ("push", "pull")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start(mode: str, out: Path, model: str) -> tuple[subprocess.Popen, str]:
