@@ -108,23 +108,40 @@ def test_pd_greedy_output_equals_monolithic(tmp_path, expected, mode, transport)
 
 
 @pytest.mark.parametrize("mode", ["pull", "push"])
+def test_engine_core_processes_give_monolithic_output(tmp_path, expected, mode) -> None:
+    """`--engine-process` on P and D: every engine runs in its own child process, and the
+    oracle still holds; a client that hangs up mid-stream still frees both sides."""
+    with start(tmp_path, mode, extra=("--engine-process",)) as cluster:
+        got = asyncio.run(complete_all(cluster.router_url, prompts()))
+        for i, (g, e) in enumerate(zip(got, expected, strict=True)):
+            assert g == e, f"prompt {i} ({len(prompts()[i])} tokens) differs in {mode}"
+        _hang_up_mid_stream(cluster)
+        wait_blocks_free(cluster)
+        metrics = httpx.get(f"{cluster.instances[1].url}/metrics", timeout=5).text
+        assert f'pdserve_kv_received_total{{mode="{mode}"}} {float(NUM_PROMPTS + 1)}' in metrics
+
+
+@pytest.mark.parametrize("mode", ["pull", "push"])
 def test_client_disconnect_mid_stream_frees_both_sides(tmp_path, mode) -> None:
     with start(tmp_path, mode) as cluster:
-        body = {
-            "prompt": list(range(3, 250)),
-            "max_tokens": 2000,
-            "temperature": 0,
-            "ignore_eos": True,
-            "stream": True,
-        }
-        with httpx.stream(
-            "POST", f"{cluster.router_url}/v1/completions", json=body, timeout=60
-        ) as r:
-            assert r.status_code == 200
-            lines = r.iter_lines()
-            got = [next(lines) for _ in range(6)]  # a few tokens, then hang up
-        assert any(line.startswith("data: {") for line in got)
+        _hang_up_mid_stream(cluster)
         wait_blocks_free(cluster)
+
+
+def _hang_up_mid_stream(cluster: Cluster) -> None:
+    """Stream a long reply through the router, read a few tokens, then hang up."""
+    body = {
+        "prompt": list(range(3, 250)),
+        "max_tokens": 2000,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    with httpx.stream("POST", f"{cluster.router_url}/v1/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        got = [next(lines) for _ in range(6)]  # a few tokens, then hang up
+    assert any(line.startswith("data: {") for line in got)
 
 
 def test_push_200_requests_with_random_aborts_leave_no_blocks(tmp_path) -> None:

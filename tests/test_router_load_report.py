@@ -2,30 +2,28 @@
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-from typing import Any
-
 import msgspec
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pdserve.engine.types import EngineStats
+from pdserve.engine.types import EngineStats, LiveRequest
 from pdserve.server.load_report import LoadMeter, LoadReport
 from pdserve.transfer.params import InstanceLoad
 
 STATS = EngineStats(num_running=1, num_waiting=0, kv_blocks_used=3, kv_blocks_total=50)
 
 
-def req(rid: str, prompt: int, outputs: int, computed: int, max_tokens: int, remote=False) -> Any:
-    """The attributes of an engine `Request` the meter reads."""
-    kv = SimpleNamespace(do_remote_prefill=True) if remote else None
-    return SimpleNamespace(
+def req(
+    rid: str, prompt: int, outputs: int, computed: int, max_tokens: int, remote=False
+) -> LiveRequest:
+    """A live request as the engine reports it (`LLMEngine.live_requests`)."""
+    prompt = 0 if remote else prompt  # KV from a prefill instance: nothing to compute here
+    return LiveRequest(
         request_id=rid,
-        prompt_token_ids=[1] * prompt,
-        output_token_ids=[2] * outputs,
-        num_computed_tokens=computed,
-        params=SimpleNamespace(max_tokens=max_tokens),
-        kv_transfer=kv,
+        outputs=outputs,
+        computed=min(computed, prompt),
+        prompt=prompt,
+        decode_left=max(0, max_tokens - outputs),
     )
 
 

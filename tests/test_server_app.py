@@ -23,9 +23,17 @@ from fastapi.testclient import TestClient
 from pdserve.config import CacheConfig, ServerConfig
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.detokenizer import IncrementalDetokenizer
-from pdserve.engine.types import EngineRequest, EngineStats, FinishReason, RequestOutput
+from pdserve.engine.handle import EngineInfo
+from pdserve.engine.types import (
+    EngineRequest,
+    EngineStats,
+    FinishReason,
+    LiveRequest,
+    RequestOutput,
+)
 from pdserve.server.app import create_app
 from pdserve.transfer.params import InstanceLimits, KVTransferParams
+from tests.fake_engines import fake_info
 
 EOS = 256
 VOCAB = 257
@@ -80,6 +88,12 @@ class FakeEngine:
 
     def instance_limits(self) -> InstanceLimits:
         return InstanceLimits(role="prefill", mode="pull", block_size=BLOCK_SIZE, vocab_size=VOCAB)
+
+    def info(self) -> EngineInfo:
+        return fake_info(self.model_name, self.max_model_len, self.instance_limits())
+
+    def live_requests(self) -> list[LiveRequest]:
+        return []
 
     def close(self) -> None:
         pass

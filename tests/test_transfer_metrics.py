@@ -2,20 +2,16 @@
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 from prometheus_client import CollectorRegistry, generate_latest
 
-from pdserve.transfer.connector import ConnectorStats
+from pdserve.transfer.connector import ConnectorMetrics, ConnectorStats
 from pdserve.transfer.metrics import ConnectorCollector
 
 
 def _scrape(stats: ConnectorStats, held: int) -> str:
-    fake = SimpleNamespace(
-        stats=stats, cfg=SimpleNamespace(mode="pull"), num_blocks_held=lambda: held
-    )
+    snap = ConnectorMetrics(mode="pull", stats=stats, blocks_held=held)
     registry = CollectorRegistry()
-    registry.register(ConnectorCollector(fake))  # type: ignore[arg-type]
+    registry.register(ConnectorCollector(lambda: snap))
     return generate_latest(registry).decode()
 
 

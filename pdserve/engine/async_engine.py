@@ -29,12 +29,19 @@ from dataclasses import dataclass
 import msgspec
 
 from pdserve.engine.engine import LLMEngine
-from pdserve.engine.types import EngineRequest, EngineStats, FinishReason, RequestOutput
+from pdserve.engine.handle import EngineDeadError, EngineInfo
+from pdserve.engine.types import (
+    EngineRequest,
+    EngineStats,
+    FinishReason,
+    LiveRequest,
+    RequestOutput,
+)
+from pdserve.transfer.connector import ConnectorMetrics
 from pdserve.transfer.hoptrace import hop
+from pdserve.transfer.params import KVTransferParams
 
-
-class EngineDeadError(RuntimeError):
-    """The engine loop died; the instance can no longer serve."""
+__all__ = ["AsyncEngine", "EngineDeadError"]
 
 
 @dataclass
@@ -56,10 +63,14 @@ FLUSH_S = 0.002
 
 
 class AsyncEngine:
-    """Runs `LLMEngine.step()` in a dedicated thread and streams outputs to asyncio callers."""
+    """Runs `LLMEngine.step()` in a dedicated thread and streams outputs to asyncio callers
+    (an `EngineHandle`). `engine` is for tests and the engine thread: the front end goes
+    through the handle's methods only."""
 
     def __init__(self, engine: LLMEngine, flush_s: float = FLUSH_S) -> None:
         self.engine = engine
+        self.info: EngineInfo = engine.info()
+        self.tokenizer = engine.tokenizer
         self.flush_s = flush_s
         self._inbox: queue.SimpleQueue[EngineRequest | _Abort | _Wake | None] = queue.SimpleQueue()
         if engine.connector is not None:
@@ -122,6 +133,27 @@ class AsyncEngine:
     def stats(self) -> EngineStats:
         """A snapshot of queue and KV-block counters (read without locking: ints only)."""
         return self.engine.stats()
+
+    # -- reads for the front end (racy but harmless; see pdserve.engine.handle) -------------
+    def live_requests(self) -> list[LiveRequest]:
+        return self.engine.live_requests()
+
+    def connector_metrics(self) -> ConnectorMetrics | None:
+        c = self.engine.connector
+        return c.metrics() if c is not None else None
+
+    def transfer_in_use(self, transfer_id: str) -> bool:
+        c = self.engine.connector
+        return c is not None and c.transfer_in_use(transfer_id)
+
+    def peer_num_blocks(self, engine_id: str, incarnation: str) -> int | None:
+        c = self.engine.connector
+        peer = c.known_peer(engine_id, incarnation) if c is not None else None
+        return peer.num_blocks if peer is not None else None
+
+    def check_params(self, params: KVTransferParams) -> None:
+        if self.engine.connector is not None:
+            self.engine.connector.check_params(params)
 
     # -- engine thread ---------------------------------------------------------------------
     def _run(self) -> None:

@@ -17,17 +17,25 @@ import torch
 
 from pdserve.config import EngineConfig
 from pdserve.engine.detokenizer import IncrementalDetokenizer
+from pdserve.engine.handle import EngineInfo
 from pdserve.engine.request import Request, RequestState
 from pdserve.engine.runner import ModelRunner
 from pdserve.engine.scheduler import Scheduler, SchedulerOutput, blocks_needed
 from pdserve.engine.steptrace import StepTracer
-from pdserve.engine.types import EngineRequest, EngineStats, FinishReason, RequestOutput
+from pdserve.engine.types import (
+    EngineRequest,
+    EngineStats,
+    FinishReason,
+    LiveRequest,
+    RequestOutput,
+)
 from pdserve.kv.block_pool import BlockPool
 from pdserve.kv.cache import KVCache, num_blocks_for_budget
 from pdserve.model.loader import LoadedModel, load_model
 from pdserve.transfer.connector import Event, KVConnector, KVReady, transfer_id_of
 from pdserve.transfer.hoptrace import hop
 from pdserve.transfer.params import (
+    InstanceInfo,
     InstanceLimits,
     InvalidKVTransferParams,
     KVTransferParams,
@@ -309,6 +317,33 @@ class LLMEngine:
         )
 
     # -- introspection ---------------------------------------------------------------------
+    def info(self) -> EngineInfo:
+        """What the front end needs to know about this engine (fixed once it is built)."""
+        c = self.connector
+        instance = InstanceInfo(
+            engine_id=c.cfg.engine_id if c else "monolithic",
+            incarnation=c.cfg.incarnation if c else "",
+            role=c.cfg.role if c else "both",
+            transfer_mode=c.cfg.mode if c else None,
+            transport=c.transport_kind if c else None,
+            side_channel_host=c.side.address[0] if c else None,
+            side_channel_port=c.side.address[1] if c else None,
+            model=self.model_name,
+        )
+        return EngineInfo(
+            model_name=self.model_name,
+            model_path=str(self.loaded.path),
+            max_model_len=self.max_model_len,
+            block_size=self.kv.block_size,
+            limits=self.instance_limits(),
+            instance=instance,
+        )
+
+    def live_requests(self) -> list[LiveRequest]:
+        """Progress of the live requests (any thread: one atomic copy of the dict, then racy
+        but harmless reads of ints and list lengths the engine thread writes)."""
+        return [_live(r) for r in list(self.requests.values())]
+
     def stats(self) -> EngineStats:
         return EngineStats(
             num_running=len(self.scheduler.running),
@@ -331,6 +366,19 @@ class LLMEngine:
     def close(self) -> None:
         if self.connector is not None:
             self.connector.close()
+
+
+def _live(r: Request) -> LiveRequest:
+    remote = bool(r.kv_transfer and r.kv_transfer.do_remote_prefill)
+    prompt = 0 if remote else len(r.prompt_token_ids)
+    outputs = len(r.output_token_ids)
+    return LiveRequest(
+        request_id=r.request_id,
+        outputs=outputs,
+        computed=min(r.num_computed_tokens, prompt),
+        prompt=prompt,
+        decode_left=max(0, r.params.max_tokens - outputs),
+    )
 
 
 def _error_output(request_id: str, message: str, num_prompt: int) -> RequestOutput:

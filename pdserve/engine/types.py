@@ -74,3 +74,13 @@ class EngineStats(msgspec.Struct, frozen=True, kw_only=True):
     kv_blocks_total: int
     num_preemptions: int = 0
     num_waiting_for_kv: int = 0
+
+
+class LiveRequest(msgspec.Struct, frozen=True, kw_only=True):
+    """One live request's progress, as `GET /load` counts it (see server/load_report.py)."""
+
+    request_id: str
+    outputs: int  # tokens generated so far
+    computed: int  # prompt tokens computed locally so far
+    prompt: int  # prompt length; 0 when the KV comes from a prefill instance
+    decode_left: int  # output tokens still owed

@@ -1,6 +1,7 @@
 """The FastAPI app of one instance: OpenAI-compatible routes, /health and /metrics.
 
-`create_app` wires an already started `AsyncEngine` into a new app; the caller (serve.py,
+`create_app` wires an already started engine (an `EngineHandle`: `AsyncEngine` in this
+process, or `EngineCoreClient` for an engine core process) into a new app; the caller (serve.py,
 or a test) owns the engine's lifecycle. Every piece of state lives on the app or in the
 closures of its routes, so several apps can live in one process (tests do that).
 
@@ -27,7 +28,7 @@ from starlette.types import Receive, Scope, Send
 
 from pdserve import __version__
 from pdserve.config import ServerConfig
-from pdserve.engine.async_engine import AsyncEngine
+from pdserve.engine.handle import EngineHandle
 from pdserve.engine.types import EngineRequest, FinishReason, RequestOutput
 from pdserve.server.body_limit import MAX_BODY_BYTES, BodySizeLimit
 from pdserve.server.errors import APIError, install_error_handlers
@@ -58,9 +59,9 @@ CHAT_PATH = "/v1/chat/completions"
 _CLIENT_CLOSED = 499
 
 
-def create_app(async_engine: AsyncEngine, cfg: ServerConfig) -> FastAPI:
+def create_app(async_engine: EngineHandle, cfg: ServerConfig) -> FastAPI:
     """An app serving `async_engine` (already started) under `cfg`'s model name and key."""
-    served_name = cfg.served_model_name or async_engine.engine.model_name
+    served_name = cfg.served_model_name or async_engine.info.model_name
     metrics = ServerMetrics(async_engine.stats)
     serving = OpenAIServing(async_engine, served_name, metrics)
     app = FastAPI(title="pdserve", version=__version__)
@@ -71,14 +72,14 @@ def create_app(async_engine: AsyncEngine, cfg: ServerConfig) -> FastAPI:
         RequestCountMiddleware, metrics=metrics, endpoints=frozenset({COMPLETIONS_PATH, CHAT_PATH})
     )
     app.add_middleware(BodySizeLimit, max_bytes=MAX_BODY_BYTES)
-    gate = TransferGate(async_engine.engine)
+    gate = TransferGate(async_engine)
     app.include_router(_api_routes(serving, gate, cfg.api_key))
     app.include_router(_ops_routes(serving, metrics))
     # /tokenize (for routers' local-prefill choice) sits behind the same key as /v1/*.
     tokenize_auth = [Depends(_bearer_auth(cfg.api_key))] if cfg.api_key else []
     app.include_router(kv_routes(async_engine, serving, tokenize_auth))
-    if async_engine.engine.connector is not None:
-        metrics.registry.register(ConnectorCollector(async_engine.engine.connector))
+    if async_engine.info.limits.role != "both":
+        metrics.registry.register(ConnectorCollector(async_engine.connector_metrics))
     return app
 
 

@@ -11,44 +11,31 @@ import msgspec
 from fastapi import APIRouter, Request, Response
 from fastapi.params import Depends
 
-from pdserve.engine.async_engine import AsyncEngine
+from pdserve.engine.handle import EngineHandle
 from pdserve.server.errors import bad_request, read_json_object
 from pdserve.server.load_report import LoadMeter, TokenCount
 from pdserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from pdserve.server.serving import OpenAIServing
-from pdserve.transfer.params import InstanceInfo
 
 
 def kv_routes(
-    async_engine: AsyncEngine,
+    async_engine: EngineHandle,
     serving: OpenAIServing | None = None,
     auth: Sequence[Depends] = (),
 ) -> APIRouter:
     """Routes reading the engine's connector (None on a monolithic instance); `/tokenize`
     only with `serving`, behind `auth` like /v1/*. The load meter lives in this closure."""
     router = APIRouter()
-    engine = async_engine.engine
     meter = LoadMeter()
+    info_body = msgspec.json.encode(async_engine.info.instance)
 
     @router.get("/kv/info")
     async def kv_info() -> Response:
-        c = engine.connector
-        info = InstanceInfo(
-            engine_id=c.cfg.engine_id if c else "monolithic",
-            incarnation=c.cfg.incarnation if c else "",
-            role=c.cfg.role if c else "both",
-            transfer_mode=c.cfg.mode if c else None,
-            transport=c.transport_kind if c else None,
-            side_channel_host=c.side.address[0] if c else None,
-            side_channel_port=c.side.address[1] if c else None,
-            model=engine.model_name,
-        )
-        return Response(msgspec.json.encode(info), media_type="application/json")
+        return Response(info_body, media_type="application/json")
 
     @router.get("/load")
     async def load() -> Response:
-        # One atomic copy of the engine's live requests (see load_report on the racy reads).
-        requests = list(engine.requests.values())
+        requests = async_engine.live_requests()
         report = meter.report(async_engine.stats(), requests, time.monotonic())
         return Response(msgspec.json.encode(report), media_type="application/json")
 

@@ -11,9 +11,8 @@ predict an instance's load a little ahead (docs/router.md, "load_aware"):
 - `prefill_tokens_per_s`: prompt tokens computed per second while it had prompts to
   compute, None until measured.
 
-`LoadMeter` computes them from the engine's live requests at each report: no engine hook,
-no lock. It reads ints and list lengths the engine thread writes (a racy but harmless read,
-as `LLMEngine.stats` is); `list(dict.values())` is one atomic copy under the GIL. Rates
+`LoadMeter` computes them from the engine's live requests (`EngineHandle.live_requests`,
+progress counts only) at each report: no engine hook, no lock. Rates
 are measured between two consecutive reports (the router polls every fraction of a
 second): steps = the largest output growth of a request present in both, prefill tokens =
 the growth of `num_computed_tokens` of local prompts (a prompt gone since the last report
@@ -25,15 +24,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import msgspec
 
-from pdserve.engine.types import EngineStats
+from pdserve.engine.types import EngineStats, LiveRequest
 from pdserve.transfer.params import InstanceLoad
-
-if TYPE_CHECKING:
-    from pdserve.engine.request import Request
 
 # Weight of the newest interval in the moving averages: about the last 3 reports count.
 SMOOTHING = 0.4
@@ -48,28 +43,19 @@ class LoadReport(InstanceLoad, kw_only=True):
     prefill_tokens_per_s: float | None = None
 
 
-@dataclass(frozen=True)
-class _Progress:
-    """One live request as seen in one report."""
-
-    outputs: int  # tokens generated so far
-    computed: int  # prompt tokens computed locally so far
-    prompt: int  # prompt length; 0 when the KV comes from a prefill instance
-
-
 @dataclass
 class LoadMeter:
     """Builds load reports for one engine; owned by the instance's event loop (one per app)."""
 
-    _last: dict[str, _Progress] = field(default_factory=dict)
+    _last: dict[str, LiveRequest] = field(default_factory=dict)
     _last_time: float | None = None
     decode_steps_per_s: float | None = None
     prefill_tokens_per_s: float | None = None
 
-    def report(self, stats: EngineStats, requests: Sequence[Request], now: float) -> LoadReport:
+    def report(self, stats: EngineStats, requests: Sequence[LiveRequest], now: float) -> LoadReport:
         """The report for this moment; `requests` are the engine's live requests."""
-        progress = {r.request_id: _progress_of(r) for r in requests}
-        decode_left = sum(_decode_left(r) for r in requests)
+        progress = {r.request_id: r for r in requests}
+        decode_left = sum(r.decode_left for r in requests)
         prefill_left = sum(max(0, p.prompt - p.computed) for p in progress.values())
         self._measure(progress, prefill_left, now)
         return LoadReport(
@@ -84,7 +70,7 @@ class LoadMeter:
             prefill_tokens_per_s=_rounded(self.prefill_tokens_per_s),
         )
 
-    def _measure(self, progress: dict[str, _Progress], prefill_left: int, now: float) -> None:
+    def _measure(self, progress: dict[str, LiveRequest], prefill_left: int, now: float) -> None:
         last, last_time = self._last, self._last_time
         self._last, self._last_time = progress, now
         if last_time is None or now <= last_time:
@@ -103,17 +89,7 @@ class LoadMeter:
                 self.prefill_tokens_per_s = _ewma(self.prefill_tokens_per_s, done / dt)
 
 
-def _progress_of(r: Request) -> _Progress:
-    remote = bool(r.kv_transfer and r.kv_transfer.do_remote_prefill)
-    prompt = 0 if remote else len(r.prompt_token_ids)
-    return _Progress(len(r.output_token_ids), min(r.num_computed_tokens, prompt), prompt)
-
-
-def _decode_left(r: Request) -> int:
-    return max(0, r.params.max_tokens - len(r.output_token_ids))
-
-
-def _prefill_done_between(last: dict[str, _Progress], now: dict[str, _Progress]) -> int:
+def _prefill_done_between(last: dict[str, LiveRequest], now: dict[str, LiveRequest]) -> int:
     """Prompt tokens computed between two reports (a prompt gone since counts as done)."""
     done = 0
     for rid, p in now.items():

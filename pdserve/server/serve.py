@@ -35,8 +35,7 @@ from pdserve.ports import EXIT_ADDRESS_IN_USE, bind_socket, is_address_in_use
 from pdserve.transfer.factory import add_transfer_arguments
 
 if TYPE_CHECKING:
-    from pdserve.engine.async_engine import AsyncEngine
-    from pdserve.engine.engine import LLMEngine
+    from pdserve.engine.handle import EngineHandle
 
 log = logging.getLogger("pdserve.serve")
 
@@ -129,6 +128,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="torch intra-op threads (default: torch's choice)",
     )
+    parser.add_argument(
+        "--engine-process",
+        action="store_true",
+        help="run the engine loop in a child process with its own interpreter, so the HTTP "
+        "front end (parsing, formatting and sending streams) never holds the GIL the engine "
+        "needs; costs one IPC hop per step (docs/benchmarks.md, 'engine core process')",
+    )
     http = parser.add_argument_group("HTTP")
     http.add_argument("--host", default=vc.host, help="address to listen on (default: %(default)s)")
     http.add_argument(
@@ -210,43 +216,73 @@ def main(args: argparse.Namespace) -> int:
     except OSError as exc:
         log.error("cannot listen on %s:%d: %s", server_cfg.host, server_cfg.port, exc)
         return EXIT_ADDRESS_IN_USE if is_address_in_use(exc) else 1
-    from pdserve.engine.async_engine import AsyncEngine  # torch: imported once the port is ours
-    from pdserve.engine.engine import LLMEngine
-    from pdserve.transfer.factory import make_connector_factory
-    from pdserve.transfer.transport import BackendUnavailableError
-
-    try:
-        connector_factory = make_connector_factory(args)
-    except ValueError as exc:  # a P/D flag combination that cannot work (message says why)
-        log.error("%s", exc)
-        return 2
     with sock:
         log.info("loading %s", engine_cfg.model.model)
+        engine = _start_engine(args, engine_cfg)
+        if isinstance(engine, int):
+            return engine
         try:
-            engine = LLMEngine.from_config(engine_cfg, connector_factory)
-        except BackendUnavailableError as exc:
-            log.error("%s", exc)
-            return 2
-        except OSError as exc:
-            if not is_address_in_use(exc):
-                raise
-            log.error("%s", exc)  # the side channel's port (its message names it)
-            return EXIT_ADDRESS_IN_USE
-        if not _listen(sock, engine):
-            return EXIT_ADDRESS_IN_USE
-        async_engine = AsyncEngine(engine)
-        async_engine.start()
-        try:
-            _serve_http(async_engine, server_cfg, sock, args.log_level)
+            if not _listen(sock):
+                return EXIT_ADDRESS_IN_USE
+            _serve_http(engine, server_cfg, sock, args.log_level)
         finally:
-            async_engine.shutdown()
+            engine.shutdown()
             log.info("engine stopped")
     return 0
 
 
-def _listen(sock: socket.socket, engine: LLMEngine) -> bool:
-    """Start listening on `sock`; False (logged, engine closed) if another socket bound the
-    same port meanwhile and listens on it (see `pdserve.ports.bind_socket`)."""
+def _start_engine(args: argparse.Namespace, cfg: EngineConfig) -> EngineHandle | int:
+    """The running engine (in a thread, or with `--engine-process` in a child process), or
+    the exit status if it cannot be built (logged): 2 for flags that cannot work, 98 for a
+    taken side-channel port."""
+    # Imported here: torch (in-thread) loads only once the HTTP port is ours.
+    from pdserve.engine.core_client import CoreStartError
+    from pdserve.transfer.transport import BackendUnavailableError
+
+    try:
+        return _engine_process(args, cfg) if args.engine_process else _engine_thread(args, cfg)
+    except (ValueError, BackendUnavailableError) as exc:  # the message says why
+        log.error("%s", exc)
+        return 2
+    except CoreStartError as exc:
+        log.error("engine core: %s", exc)
+        return exc.status
+    except OSError as exc:
+        if not is_address_in_use(exc):
+            raise
+        log.error("%s", exc)  # the side channel's port (its message names it)
+        return EXIT_ADDRESS_IN_USE
+
+
+def _engine_thread(args: argparse.Namespace, cfg: EngineConfig) -> EngineHandle:
+    from pdserve.engine.async_engine import AsyncEngine
+    from pdserve.engine.engine import LLMEngine
+    from pdserve.transfer.factory import make_connector_factory
+
+    engine = LLMEngine.from_config(cfg, make_connector_factory(args))
+    handle = AsyncEngine(engine)
+    handle.start()
+    return handle
+
+
+def _engine_process(args: argparse.Namespace, cfg: EngineConfig) -> EngineHandle:
+    from pdserve.engine.core_client import EngineCoreClient
+    from pdserve.transfer.factory import connector_config, transport_config
+
+    pd = args.role != "both"
+    client = EngineCoreClient(
+        cfg,
+        connector_config(args) if pd else None,
+        transport_config(args) if pd else None,
+        log_level=args.log_level,
+    )
+    client.start()
+    return client
+
+
+def _listen(sock: socket.socket) -> bool:
+    """Start listening on `sock`; False (logged) if another socket bound the same port
+    meanwhile and listens on it (see `pdserve.ports.bind_socket`)."""
     try:
         sock.listen(LISTEN_BACKLOG)
     except OSError as exc:
@@ -254,13 +290,12 @@ def _listen(sock: socket.socket, engine: LLMEngine) -> bool:
             raise
         host, port = sock.getsockname()[:2]
         log.error("cannot listen on %s:%d: another process listens there", host, port)
-        engine.close()
         return False
     return True
 
 
 def _serve_http(
-    async_engine: AsyncEngine, cfg: ServerConfig, sock: socket.socket, log_level: str
+    async_engine: EngineHandle, cfg: ServerConfig, sock: socket.socket, log_level: str
 ) -> None:
     """Serve the app on `sock` until SIGTERM/SIGINT, then return normally.
 

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
 
-from pdserve.engine.async_engine import AsyncEngine, EngineDeadError
+from pdserve.engine.handle import EngineDeadError, EngineHandle
 from pdserve.engine.types import EngineRequest, FinishReason, RequestOutput, SamplingParams
 from pdserve.server.errors import APIError, bad_request
 from pdserve.server.protocol import (
@@ -95,17 +95,16 @@ class Generation:
 class OpenAIServing:
     """Validates requests against the model and drives them through the `AsyncEngine`."""
 
-    def __init__(self, engine: AsyncEngine, served_model_name: str, metrics: ServerMetrics):
+    def __init__(self, engine: EngineHandle, served_model_name: str, metrics: ServerMetrics):
         self.engine = engine
         self.model_name = served_model_name
         self.metrics = metrics
-        llm = engine.engine
-        self.tokenizer: Tokenizer = llm.tokenizer
+        self.tokenizer: Tokenizer = engine.tokenizer
         stats = engine.stats()
-        block_size = llm.cfg.cache.block_size
+        info = engine.info
         self.limits = Limits(
-            max_model_len=llm.max_model_len,
-            capacity=min(llm.max_model_len, stats.kv_blocks_total * block_size),
+            max_model_len=info.max_model_len,
+            capacity=min(info.max_model_len, stats.kv_blocks_total * info.block_size),
             vocab_size=self.tokenizer.vocab_size,
         )
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pdserve.engine.engine import LLMEngine
+from pdserve.engine.handle import EngineHandle
 from pdserve.engine.types import EngineRequest
 from pdserve.server.errors import bad_request
 from pdserve.transfer.params import (
@@ -50,7 +50,7 @@ class TransferClaim:
 class TransferGate:
     """Checks and claims the transfer ids of one app's P/D legs (event loop only)."""
 
-    engine: LLMEngine
+    engine: EngineHandle
     claims: dict[str, str] = field(default_factory=dict)  # transfer id -> request id
 
     def admit(self, er: EngineRequest) -> TransferClaim | None:
@@ -60,7 +60,7 @@ class TransferGate:
             return None
         tid = p.transfer_id or er.request_id
         try:
-            check_for_instance(p, self.engine.instance_limits(), len(er.prompt_token_ids))
+            check_for_instance(p, self.engine.info.limits, len(er.prompt_token_ids))
             self._check_remote_blocks(er)
         except InvalidKVTransferParams as exc:
             raise bad_request(str(exc), param="kv_transfer_params") from exc
@@ -81,11 +81,10 @@ class TransferGate:
 
     def _check_signature(self, p: KVTransferParams) -> None:
         """Pull with a cluster token: P's signature, refused before any stream starts."""
-        c = self.engine.connector
-        if c is None or not p.do_remote_prefill:
+        if not p.do_remote_prefill:
             return
         try:
-            c.check_params(p)
+            self.engine.check_params(p)
         except InvalidKVTransferParams as exc:
             raise bad_request(
                 f"KV transfer failed (params rejected): {exc}",
@@ -96,17 +95,15 @@ class TransferGate:
     def _check_remote_blocks(self, er: EngineRequest) -> None:
         """Pull: P's block ids against P's cache size, when a handshake told us that."""
         p = er.kv_transfer
-        c = self.engine.connector
-        if c is None or p is None or not p.do_remote_prefill or p.transfer_mode != "pull":
+        if p is None or not p.do_remote_prefill or p.transfer_mode != "pull":
             return
         if p.remote_engine_id and p.remote_incarnation:
-            peer = c.known_peer(p.remote_engine_id, p.remote_incarnation)
-            if peer is not None:
-                check_remote_blocks(p, peer.num_blocks)
+            num_blocks = self.engine.peer_num_blocks(p.remote_engine_id, p.remote_incarnation)
+            if num_blocks is not None:
+                check_remote_blocks(p, num_blocks)
 
     def _engine_uses(self, tid: str) -> bool:
-        """Whether the connector still has blocks under `tid` (a lock-free snapshot of
-        engine-thread dicts: membership tests only; the engine re-checks under its own
-        thread, so a stale answer can only cost a later, engine-side refusal)."""
-        c = self.engine.connector
-        return c is not None and (tid in c.holds or tid in c.quarantine or tid in c.receiving)
+        """Whether the connector still has blocks under `tid` (possibly stale: the engine
+        re-checks on its own thread, so a stale answer can only cost a later, engine-side
+        refusal)."""
+        return self.engine.transfer_in_use(tid)

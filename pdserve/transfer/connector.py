@@ -380,6 +380,23 @@ class KVConnector:
         held = sum(len(h.blocks) for h in self.holds.values())
         return held + sum(len(q.blocks) for q in self.quarantine.values())
 
+    def metrics(self) -> ConnectorMetrics:
+        """The counters now (racy reads of ints and floats; any thread)."""
+        return ConnectorMetrics(
+            mode=self.cfg.mode,
+            stats=msgspec.structs.replace(self.stats),
+            blocks_held=self.num_blocks_held(),
+            writer=self._writer_stats(),
+        )
+
+    def _writer_stats(self) -> WriterStats | None:
+        return None
+
+    def transfer_in_use(self, tid: str) -> bool:
+        """Whether blocks are still held, fenced or awaited under `tid` (a lock-free read of
+        engine-thread dicts: membership tests only, any thread)."""
+        return tid in self.holds or tid in self.quarantine or tid in self.receiving
+
     def has_pending(self) -> bool:
         return bool(self.holds or self.quarantine or self.receiving)
 
@@ -471,6 +488,11 @@ class KVConnector:
         except Exception as exc:
             reply.error = str(exc)
         self.side.send(tuple(msg.reply_to), reply)
+
+    def peer_sizes(self) -> dict[str, tuple[str, int]]:
+        """Engine id -> (incarnation, KV blocks) of every peer known from a handshake."""
+        with self._peers_lock:
+            return {e: (p.incarnation, p.num_blocks) for e, p in self._peers.items()}
 
     def known_peer(self, engine_id: str, incarnation: str) -> Peer | None:
         with self._peers_lock:
@@ -586,6 +608,26 @@ class ConnectorStats(msgspec.Struct):
     peers_down: int = 0
     received: int = 0  # D: prompts whose KV arrived
     recv_wait_seconds: float = 0.0  # D: admission (push: registration) to arrival, summed
+
+
+class WriterStats(msgspec.Struct):
+    """Push metrics (read from any thread)."""
+
+    registered_first: int = 0
+    finished_first: int = 0
+    match_wait_s: float = 0.0
+    layerwise: int = 0  # prompts written layer by layer
+    queue_depth: int = 0
+    failures_by_cause: dict[str, int] = msgspec.field(default_factory=dict)
+
+
+class ConnectorMetrics(msgspec.Struct, kw_only=True):
+    """A snapshot of a connector's counters, for /metrics (`pdserve.transfer.metrics`)."""
+
+    mode: str
+    stats: ConnectorStats
+    blocks_held: int
+    writer: WriterStats | None = None  # push's prefill side only
 
 
 class ReleaseHold(msgspec.Struct, frozen=True):

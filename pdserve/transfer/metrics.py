@@ -1,13 +1,15 @@
-"""Prometheus view of a connector's counters, read at scrape time (no locks: ints/floats)."""
+"""Prometheus view of a connector's counters, read at scrape time (a `ConnectorMetrics`
+snapshot: from the connector itself in-process, from the engine core's last snapshot
+across processes)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from pdserve.transfer.connector import KVConnector
+from pdserve.transfer.connector import ConnectorMetrics, WriterStats
 
 # (metric name, help, attribute of the connector's stats), all labelled by mode.
 _CONNECTOR_COUNTERS: tuple[tuple[str, str, str], ...] = (
@@ -40,12 +42,14 @@ _CONNECTOR_COUNTERS: tuple[tuple[str, str, str], ...] = (
 class ConnectorCollector(Collector):
     """Transfer metrics of one instance: bytes, time, descriptors, failures, expiries, push."""
 
-    def __init__(self, connector: KVConnector) -> None:
-        self.connector = connector
+    def __init__(self, read: Callable[[], ConnectorMetrics | None]) -> None:
+        self.read = read
 
     def collect(self) -> Iterable[Metric]:
-        s = self.connector.stats
-        mode = self.connector.cfg.mode
+        snap = self.read()
+        if snap is None:
+            return
+        s, mode = snap.stats, snap.mode
         for name, doc, attr in _CONNECTOR_COUNTERS:
             yield _counter(name, doc, getattr(s, attr), mode)
         held = GaugeMetricFamily(
@@ -53,43 +57,42 @@ class ConnectorCollector(Collector):
             "Blocks the connector owns (holds, quarantine).",
             labels=["mode"],
         )
-        held.add_metric([mode], self.connector.num_blocks_held())
+        held.add_metric([mode], snap.blocks_held)
         yield held
-        yield from self._push()
+        if snap.writer is not None:
+            yield from _push(snap.writer)
 
-    def _push(self) -> Iterable[Metric]:
-        ws = getattr(self.connector, "writer_stats", None)
-        if ws is None:
-            return
-        yield _counter(
-            "pdserve_push_match_wait_seconds",
-            "P: registration arrival to pairing with the prompt, summed.",
-            ws.match_wait_s,
-            "push",
-        )
-        order = CounterMetricFamily(
-            "pdserve_push_pairings", "P: pairings by arrival order.", labels=["first"]
-        )
-        order.add_metric(["registration"], ws.registered_first)
-        order.add_metric(["prefill"], ws.finished_first)
-        yield order
-        yield _counter(
-            "pdserve_push_layerwise",
-            "P: prompts written layer by layer as computed.",
-            ws.layerwise,
-            "push",
-        )
-        yield GaugeMetricFamily(
-            "pdserve_push_writer_queue_depth",
-            "P: registrations, prompts and writes the writer holds.",
-            value=ws.queue_depth,
-        )
-        causes = CounterMetricFamily(
-            "pdserve_push_failures", "P: failure notices sent, by cause.", labels=["cause"]
-        )
-        for cause, n in sorted(ws.failures_by_cause.items()):
-            causes.add_metric([cause], n)
-        yield causes
+
+def _push(ws: WriterStats) -> Iterable[Metric]:
+    yield _counter(
+        "pdserve_push_match_wait_seconds",
+        "P: registration arrival to pairing with the prompt, summed.",
+        ws.match_wait_s,
+        "push",
+    )
+    order = CounterMetricFamily(
+        "pdserve_push_pairings", "P: pairings by arrival order.", labels=["first"]
+    )
+    order.add_metric(["registration"], ws.registered_first)
+    order.add_metric(["prefill"], ws.finished_first)
+    yield order
+    yield _counter(
+        "pdserve_push_layerwise",
+        "P: prompts written layer by layer as computed.",
+        ws.layerwise,
+        "push",
+    )
+    yield GaugeMetricFamily(
+        "pdserve_push_writer_queue_depth",
+        "P: registrations, prompts and writes the writer holds.",
+        value=ws.queue_depth,
+    )
+    causes = CounterMetricFamily(
+        "pdserve_push_failures", "P: failure notices sent, by cause.", labels=["cause"]
+    )
+    for cause, n in sorted(ws.failures_by_cause.items()):
+        causes.add_metric([cause], n)
+    yield causes
 
 
 def _counter(name: str, doc: str, value: float, mode: str) -> CounterMetricFamily:

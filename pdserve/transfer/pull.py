@@ -134,8 +134,7 @@ class PullConnector(KVConnector):
     def check_params(self, params: KVTransferParams) -> None:
         """With a cluster token: P's signature over every field D uses (a 400 when the
         HTTP gate calls this). The lease's end is checked at admission (`start_receive`)."""
-        if self._key is not None and params.do_remote_prefill:
-            verify(params, self._key)
+        check_pull_params(params, self._key)
 
     def start_receive(self, req: Request) -> None:
         super().start_receive(req)
@@ -232,3 +231,11 @@ class PullConnector(KVConnector):
     def close(self) -> None:
         self._lanes.close()
         super().close()
+
+
+def check_pull_params(params: KVTransferParams, key: bytes | None) -> None:
+    """D (pull): with a cluster token, P's signature over every field D uses must hold;
+    raises InvalidKVTransferParams otherwise. Pure: the engine core's connector and a front
+    end in another process (`EngineCoreClient`) check alike."""
+    if key is not None and params.do_remote_prefill:
+        verify(params, key)

@@ -55,6 +55,7 @@ from pdserve.transfer.connector import (
     ReleaseHold,
     ReleaseQuarantine,
     TransferError,
+    WriterStats,
     transfer_id_of,
 )
 from pdserve.transfer.descriptors import block_descriptors
@@ -597,6 +598,10 @@ class PushConnector(KVConnector):
         notice = m.PushFailed(transfer_id=reg.transfer_id, reason=reason, unknown_peer=unknown_peer)
         self.side.send(tuple(reg.reply_to), notice)
 
+    def _writer_stats(self) -> WriterStats:
+        ws = self.writer_stats
+        return msgspec.structs.replace(ws, failures_by_cause=dict(ws.failures_by_cause))
+
     def close(self) -> None:
         self._stop.set()
         self._lanes.close()
@@ -620,14 +625,3 @@ class _WriterState:
         # Layers of prompts still computing whose registration has not come yet (posted when
         # it comes; dropped when the prompt ends first, fails or D aborts).
         self.early: dict[str, list[_LayerReady]] = {}
-
-
-class WriterStats(msgspec.Struct):
-    """Push metrics (read from any thread)."""
-
-    registered_first: int = 0
-    finished_first: int = 0
-    match_wait_s: float = 0.0
-    layerwise: int = 0  # prompts written layer by layer
-    queue_depth: int = 0
-    failures_by_cause: dict[str, int] = msgspec.field(default_factory=dict)
