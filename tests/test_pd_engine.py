@@ -105,6 +105,21 @@ def test_push_pairs_in_either_order(pair_factory, reference, order) -> None:
     pair.settle()
 
 
+def test_live_requests_count_only_prompts_computed_here(pair_factory) -> None:
+    """`/load`'s input: a prompt whose KV comes from P has nothing left to prefill on D,
+    and both sides owe what max_tokens says (LiveRequest, LLMEngine.live_requests)."""
+    pair = pair_factory("push", p_kw={"push_finish_delay_s": 0.3})
+    ids = prompts(1, seed=14)[0]
+    pair.submit_p("r-p", ids, "t-live")
+    pair.submit_d("r", ids, GREEDY, pair.push_params("t-live"))
+    (on_p,), (on_d,) = pair.p.live_requests(), pair.d.live_requests()
+    assert (on_p.prompt, on_p.computed, on_p.outputs, on_p.decode_left) == (len(ids), 0, 0, 1)
+    assert (on_d.prompt, on_d.computed, on_d.outputs, on_d.decode_left) == (0, 0, 0, 12)
+    pair.run_until(lambda: pair.finished("r"))
+    assert pair.d.live_requests() == []
+    pair.settle()
+
+
 def test_push_failure_notice_fails_decode_at_once(pair_factory) -> None:
     pair = pair_factory("push", p_kw={"push_finish_delay_s": 0.0})
     ids = prompts(1, seed=12)[0]

@@ -122,7 +122,9 @@ class EngineCoreClient:
     # -- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
         """Start the core and wait until its engine is built (a model load can take
-        minutes); raises CoreStartError if it cannot be."""
+        minutes); raises CoreStartError if it cannot be. Call it from a thread that lives
+        as long as the core should: Linux sends the core SIGTERM when the thread that
+        started it ends (`PR_SET_PDEATHSIG` follows the thread, not the process)."""
         cmd = [sys.executable, "-m", "pdserve.engine.core_process"]
         self._proc = subprocess.Popen(cmd, stdin=subprocess.PIPE)
         assert self._proc.stdin is not None

@@ -114,8 +114,9 @@ def summarize(rows: list[dict]) -> None:
 
 
 def stop(c: inflight.Cluster) -> None:
-    """Stop a cluster we started (`pdserve up` stops its instances on SIGINT), by its PID."""
-    c.popen.send_signal(signal.SIGINT)
+    """Stop a cluster we started, by its PID: SIGTERM (`pdserve up` then stops its instances;
+    SIGINT would be ignored when this driver runs as a background job)."""
+    c.popen.send_signal(signal.SIGTERM)
     c.popen.wait(30)
 
 

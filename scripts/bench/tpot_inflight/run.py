@@ -60,25 +60,33 @@ class Cluster:
 
 
 def start_cluster(
-    mode: str, out: Path, isolate: bool, cwd: Path = REPO, tag: str | None = None
+    mode: str,
+    out: Path,
+    isolate: bool,
+    cwd: Path = REPO,
+    tag: str | None = None,
+    instance_args: tuple[str, ...] = (),
 ) -> Cluster:
     """Start `pdserve up`; retried because another user may take the free port before it binds.
-    `cwd` holds the `pdserve/` tree to run (a copy for code A/Bs); `tag` names its logs."""
+    `cwd` holds the `pdserve/` tree to run (a copy for code A/Bs); `tag` names its logs;
+    `instance_args` go to every instance."""
     tag = tag or mode
     for attempt in range(3):
-        c = try_start(mode, out, isolate, cwd, tag)
+        c = try_start(mode, out, isolate, cwd, tag, instance_args)
         if c is not None:
             return c
         print(f"cluster {tag} failed (attempt {attempt + 1}); retrying", flush=True)
     sys.exit(f"cluster {tag} failed 3 times; see {out}/up-{tag}.log")
 
 
-def try_start(mode: str, out: Path, isolate: bool, cwd: Path, tag: str) -> Cluster | None:
+def try_start(
+    mode: str, out: Path, isolate: bool, cwd: Path, tag: str, instance_args: tuple[str, ...]
+) -> Cluster | None:
     port = free_port()
     log = open(out / f"up-{tag}.log", "w")  # noqa: SIM115 - lives as long as the cluster
     cmd = [PY, "-m", "pdserve", "up", "--kv-transfer", mode, "--model", "builtin:small"]
     cmd += ["--port", str(port), "--log-dir", str(out / f"logs-{tag}")]
-    cmd += ["--", "--num-kv-blocks", "4096"]
+    cmd += ["--", "--num-kv-blocks", "4096", *instance_args]
     popen = subprocess.Popen(cmd, cwd=cwd, stdout=log, stderr=subprocess.STDOUT)
     text = ""
     for _ in range(300):
