@@ -45,12 +45,12 @@ def fresh(eng) -> None:
 
     for rid in list(eng.requests):
         eng.abort_request(rid)
-    sp = SamplingParams(max_tokens=100_000, temperature=0.0, ignore_eos=True)
+    sp = SamplingParams(max_tokens=2000, temperature=0.0, ignore_eos=True)
     n = len(eng.requests) + time.monotonic_ns()
     for i in range(STREAMS):
         ids = [3 + (i * 31 + j) % 240 for j in range(64)]
         er = EngineRequest(request_id=f"r{n}-{i}", prompt_token_ids=ids, params=sp)
-        eng.add_request(er)
+        assert not eng.add_request(er), "refused"  # an output here is an error
     while eng.stats().num_waiting:
         eng.step()
 
