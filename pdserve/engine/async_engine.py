@@ -24,12 +24,12 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 
 import msgspec
 
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.handle import EngineDeadError, EngineInfo
+from pdserve.engine.sinks import Sinks
 from pdserve.engine.types import (
     EngineRequest,
     EngineStats,
@@ -42,12 +42,6 @@ from pdserve.transfer.hoptrace import hop
 from pdserve.transfer.params import KVTransferParams
 
 __all__ = ["AsyncEngine", "EngineDeadError"]
-
-
-@dataclass
-class _Sink:
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue[RequestOutput]
 
 
 class _Abort(msgspec.Struct, frozen=True):
@@ -76,8 +70,7 @@ class AsyncEngine:
         if engine.connector is not None:
             engine.connector.wake = lambda: self._inbox.put(_Wake())
         engine.early_outputs = self._deliver_handoff  # called on the engine thread, mid-step
-        self._sinks: dict[str, _Sink] = {}
-        self._sinks_lock = threading.Lock()
+        self._sinks = Sinks()
         self._thread = threading.Thread(target=self._run, name="pdserve-engine", daemon=True)
         self._stopping = threading.Event()
         self.error: BaseException | None = None
@@ -108,11 +101,7 @@ class AsyncEngine:
         """
         if not self.is_alive:
             raise EngineDeadError(f"engine is not running: {self.error!r}")
-        sink = _Sink(asyncio.get_running_loop(), asyncio.Queue())
-        with self._sinks_lock:
-            if request.request_id in self._sinks:
-                raise ValueError(f"duplicate request id {request.request_id!r}")
-            self._sinks[request.request_id] = sink
+        sink = self._sinks.open(request.request_id)
         self._inbox.put(request)
         finished = False
         try:
@@ -121,8 +110,7 @@ class AsyncEngine:
                 finished = out.finished
                 yield out
         finally:
-            with self._sinks_lock:
-                self._sinks.pop(request.request_id, None)
+            self._sinks.close(request.request_id)
             if not finished:
                 self._inbox.put(_Abort(request.request_id))
 
@@ -192,24 +180,12 @@ class AsyncEngine:
                 self._deliver(self.engine.add_request(item))
 
     def _deliver(self, outputs: list[RequestOutput]) -> set[asyncio.AbstractEventLoop]:
-        """Hand `outputs` to their requests' loops; returns the loops that got one.
-
-        One `call_soon_threadsafe` per loop and step, not per output: each one writes the
-        loop's self-pipe, a system call that drops the GIL, and the loop thread takes it then;
-        with many streams the engine thread paid that hand-off once per stream per step.
-        """
-        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
-        with self._sinks_lock:
-            for out in outputs:
-                sink = self._sinks.get(out.request_id)
-                if sink is not None:
-                    batches.setdefault(sink.loop, []).append((sink.queue, out))
-        for loop, batch in batches.items():
-            for _, out in batch:
-                if out.num_output_tokens == 1:
-                    hop(out.request_id, "d.deliver")
-            loop.call_soon_threadsafe(_put_all, batch)
-        return set(batches)
+        """Hand `outputs` to their requests' loops (one wake-up per loop and step,
+        `Sinks.deliver`); returns the loops that got one."""
+        for out in outputs:
+            if out.num_output_tokens == 1:
+                hop(out.request_id, "d.deliver")
+        return self._sinks.deliver(outputs)
 
     def _deliver_handoff(self, outputs: list[RequestOutput]) -> None:
         """Deliver the outputs of a handoff (D: the connector's events, i.e. P's first tokens
@@ -227,26 +203,10 @@ class AsyncEngine:
                 return
 
     def _fail_all(self) -> None:
-        reason = FinishReason.ERROR if self.error else FinishReason.ABORT
-        msg = f"engine stopped: {self.error!r}" if self.error else "engine shut down"
-        with self._sinks_lock:
-            sinks = list(self._sinks.items())
-        for rid, sink in sinks:
-            out = RequestOutput(
-                request_id=rid,
-                new_token_ids=[],
-                new_text="",
-                finished=True,
-                finish_reason=reason,
-                error=msg,
-            )
-            sink.loop.call_soon_threadsafe(sink.queue.put_nowait, out)
-
-
-def _put_all(batch: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
-    """Runs on the loop: one step's outputs into their requests' queues, in step order."""
-    for q, out in batch:
-        q.put_nowait(out)
+        if self.error:
+            self._sinks.fail_all(f"engine stopped: {self.error!r}", FinishReason.ERROR)
+        else:
+            self._sinks.fail_all("engine shut down", FinishReason.ABORT)
 
 
 def _after_consumers(loop: asyncio.AbstractEventLoop, done: Callable[[], None]) -> None:

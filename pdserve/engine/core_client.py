@@ -17,7 +17,6 @@ turns False (so /health answers 503), and new requests are refused.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import shutil
 import subprocess
@@ -25,7 +24,6 @@ import sys
 import tempfile
 import threading
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
@@ -44,6 +42,7 @@ from pdserve.engine.core_protocol import (
     Stop,
 )
 from pdserve.engine.handle import EngineDeadError, EngineInfo
+from pdserve.engine.sinks import Sinks
 from pdserve.engine.types import (
     EngineRequest,
     EngineStats,
@@ -68,12 +67,6 @@ class CoreStartError(RuntimeError):
     def __init__(self, message: str, status: int) -> None:
         super().__init__(message)
         self.status = status
-
-
-@dataclass
-class _Sink:
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue[RequestOutput]
 
 
 class EngineCoreClient:
@@ -108,8 +101,7 @@ class EngineCoreClient:
         self._out.bind(self._spec.to_core)
         self._in.bind(self._spec.from_core)
         self._send_lock = threading.Lock()
-        self._sinks: dict[str, _Sink] = {}
-        self._sinks_lock = threading.Lock()
+        self._sinks = Sinks()
         self._proc: subprocess.Popen[bytes] | None = None
         self._snapshot: Snapshot | None = None
         self._in_use: frozenset[str] = frozenset()
@@ -170,7 +162,7 @@ class EngineCoreClient:
                 proc.wait()
         if self._reader.is_alive():
             self._reader.join(timeout)
-        self._fail_all("engine shut down", FinishReason.ABORT)
+        self._sinks.fail_all("engine shut down", FinishReason.ABORT)
         self._cleanup()
 
     @property
@@ -189,11 +181,7 @@ class EngineCoreClient:
         iterator early aborts the request in the core."""
         if not self.is_alive or self._stopped.is_set():
             raise EngineDeadError(f"engine is not running: {self.error!r}")
-        sink = _Sink(asyncio.get_running_loop(), asyncio.Queue())
-        with self._sinks_lock:
-            if request.request_id in self._sinks:
-                raise ValueError(f"duplicate request id {request.request_id!r}")
-            self._sinks[request.request_id] = sink
+        sink = self._sinks.open(request.request_id)
         self._send(Add(request))
         finished = False
         try:
@@ -202,8 +190,7 @@ class EngineCoreClient:
                 finished = out.finished
                 yield out
         finally:
-            with self._sinks_lock:
-                self._sinks.pop(request.request_id, None)
+            self._sinks.close(request.request_id)
             if not finished:
                 self.abort(request.request_id)
 
@@ -257,17 +244,7 @@ class EngineCoreClient:
             if isinstance(msg, Step):
                 if msg.snapshot is not None:
                     self._take_snapshot(msg.snapshot)
-                self._deliver(msg.outputs)
-
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
-        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
-        with self._sinks_lock:
-            for out in outputs:
-                sink = self._sinks.get(out.request_id)
-                if sink is not None:
-                    batches.setdefault(sink.loop, []).append((sink.queue, out))
-        for loop, batch in batches.items():
-            loop.call_soon_threadsafe(_put_all, batch)
+                self._sinks.deliver(msg.outputs)
 
     def _watch(self) -> None:
         """Watcher thread: an exit nobody asked for fails every open stream."""
@@ -278,21 +255,7 @@ class EngineCoreClient:
         self._reader.join(5.0)  # what the core sent before dying still counts
         self.error = EngineDeadError(f"engine core process exited with status {code}")
         log.error("%s", self.error)
-        self._fail_all(f"engine stopped: {self.error!r}", FinishReason.ERROR)
-
-    def _fail_all(self, message: str, reason: FinishReason) -> None:
-        with self._sinks_lock:
-            sinks = list(self._sinks.items())
-        for rid, sink in sinks:
-            out = RequestOutput(
-                request_id=rid,
-                new_token_ids=[],
-                new_text="",
-                finished=True,
-                finish_reason=reason,
-                error=message,
-            )
-            sink.loop.call_soon_threadsafe(sink.queue.put_nowait, out)
+        self._sinks.fail_all(f"engine stopped: {self.error!r}", FinishReason.ERROR)
 
     def _cleanup(self) -> None:
         with self._send_lock:
@@ -301,8 +264,3 @@ class EngineCoreClient:
             self._in.close()
             self._ctx.term()
         shutil.rmtree(self._dir, ignore_errors=True)
-
-
-def _put_all(batch: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
-    for q, out in batch:
-        q.put_nowait(out)

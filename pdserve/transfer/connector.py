@@ -377,8 +377,10 @@ class KVConnector:
 
     def num_blocks_held(self) -> int:
         """Blocks the connector owns (holds and quarantine), for integrity checks."""
-        held = sum(len(h.blocks) for h in self.holds.values())
-        return held + sum(len(q.blocks) for q in self.quarantine.values())
+        # list() copies each dict in one step under the GIL: /metrics calls this from the
+        # event loop while the engine thread adds and removes entries.
+        held = sum(len(h.blocks) for h in list(self.holds.values()))
+        return held + sum(len(q.blocks) for q in list(self.quarantine.values()))
 
     def metrics(self) -> ConnectorMetrics:
         """The counters now (racy reads of ints and floats; any thread)."""
