@@ -71,8 +71,9 @@ START_ATTEMPTS = 3  # cluster starts tried when a child's port was taken (see Cl
 class ClusterError(RuntimeError):
     """The cluster could not start (the message carries the failing process's log tail).
 
-    `port_in_use`: a child exited because a port picked for it was taken meanwhile; starting
-    again on other ports may well work (`Cluster.start` does, `START_ATTEMPTS` times).
+    `port_in_use`: a child exited because a port the launcher picked for it was taken
+    meanwhile; starting again on other ports may well work (`Cluster.start` does,
+    `START_ATTEMPTS` times). A port the user gave (`ClusterConfig.port`) is not retried.
     """
 
     def __init__(self, message: str, *, port_in_use: bool = False) -> None:
@@ -172,6 +173,9 @@ class ManagedProcess:
     log_path: Path
     spec: InstanceSpec | None = None  # how to start it again (instances only)
     restarts: int = 0  # times it was started again after the first
+    # Whether the launcher picked its ports (a taken one is worth another start; a port
+    # the user asked for is not).
+    ports_picked: bool = True
 
     @property
     def pid(self) -> int:
@@ -393,6 +397,7 @@ class Cluster:
         env = {**self._child_env(threads=spec.threads), TOKEN_ENV: self.cluster_token}
         proc = self._spawn(spec.name, spec.role, cmd, env, url, spec.cores, append=restarts > 0)
         proc.spec, proc.restarts = spec, restarts
+        proc.ports_picked = not (self.config.monolithic and self.config.port)
         if spec.cores is not None:
             os.sched_setaffinity(proc.pid, spec.cores)
         return proc
@@ -426,6 +431,7 @@ class Cluster:
         url = f"http://{_connect_host(c.host)}:{port}"
         cores = self._prefill_cores()
         proc = self._spawn("router", "router", cmd, self._child_env(threads=None), url, cores)
+        proc.ports_picked = c.port is None
         if cores is not None:
             os.sched_setaffinity(proc.pid, cores)
         return proc
@@ -500,7 +506,7 @@ def _wait_healthy(procs: Sequence[ManagedProcess], deadline: float) -> None:
                         f"{p.name} (pid {p.pid}) exited with code "
                         f"{p.popen.returncode} during start-up; log "
                         f"{p.log_path}:\n{p.log_tail()}",
-                        port_in_use=p.popen.returncode == EXIT_ADDRESS_IN_USE,
+                        port_in_use=p.ports_picked and p.popen.returncode == EXIT_ADDRESS_IN_USE,
                     )
                 if _healthy(client, p):
                     pending.remove(p)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import socket
 import subprocess
 import sys
 from collections.abc import Callable
@@ -319,3 +320,20 @@ def test_other_start_failures_are_not_retried(tmp_path: Path) -> None:
     with pytest.raises(ClusterError, match="exited with code 1") as info:
         Cluster(config, instance_command=crashing).start()
     assert not info.value.port_in_use and marker.read_text().split() == ["x"]
+
+
+@pytest.mark.slow  # a 3-process cluster start
+def test_a_taken_port_the_user_gave_is_reported_not_retried(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        config = ClusterConfig(kv_transfer="push", log_dir=tmp_path, port=port)
+        cluster = Cluster(config, instance_command=fake_command)
+        with pytest.raises(ClusterError, match=f"exited with code {EXIT_ADDRESS_IN_USE}") as info:
+            cluster.start()
+    assert info.value.args[0].startswith("router") and not info.value.port_in_use
+    assert "starting again" not in caplog.text  # one start: the port was the user's
+    assert all(_gone(p.popen) for p in cluster.processes)
