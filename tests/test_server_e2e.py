@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from procs import PdserveProcess, ProcessFailed
+from procs import PdserveProcess, ProcessFailed, free_port
 
 from pdserve.ports import EXIT_ADDRESS_IN_USE, bind_socket
 
@@ -256,7 +256,8 @@ def test_side_channel_port_in_use_exits_with_the_same_status() -> None:
         taken.listen()
         side = str(taken.getsockname()[1])
         args = ["serve", "--role", "prefill", "--kv-transfer", "push", "--model", "builtin:tiny"]
-        proc = PdserveProcess([*args, "--side-channel-port", side], startup_timeout_s=60)
+        cmd = [*args, "--side-channel-port", side]  # a port given: no re-picks on the 98
+        proc = PdserveProcess(cmd, port=free_port(), startup_timeout_s=60)
         with pytest.raises(ProcessFailed, match=f"side channel: cannot bind 127.0.0.1:{side}"):
             proc.start()
     assert proc.returncode == EXIT_ADDRESS_IN_USE

@@ -93,26 +93,18 @@ class AsyncEngine:
         return self._thread.is_alive() and self.error is None
 
     # -- requests --------------------------------------------------------------------------
-    async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
+    def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
         """Submit `request` and yield its outputs until the finished one.
 
         Closing the iterator early (client disconnect, task cancelled) aborts the request,
         which frees its KV blocks in the engine thread.
         """
+        return self._sinks.stream(request.request_id, lambda: self._submit(request), self.abort)
+
+    def _submit(self, request: EngineRequest) -> None:
         if not self.is_alive:
             raise EngineDeadError(f"engine is not running: {self.error!r}")
-        sink = self._sinks.open(request.request_id)
         self._inbox.put(request)
-        finished = False
-        try:
-            while not finished:
-                out = await sink.queue.get()
-                finished = out.finished
-                yield out
-        finally:
-            self._sinks.close(request.request_id)
-            if not finished:
-                self._inbox.put(_Abort(request.request_id))
 
     def abort(self, request_id: str) -> None:
         """Abort a request from any thread; its stream ends with FinishReason.ABORT."""

@@ -176,23 +176,15 @@ class EngineCoreClient:
         return self._proc.pid if self._proc is not None else None
 
     # -- requests --------------------------------------------------------------------------
-    async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
+    def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
         """Submit `request` and yield its outputs until the finished one; closing the
         iterator early aborts the request in the core."""
+        return self._sinks.stream(request.request_id, lambda: self._submit(request), self.abort)
+
+    def _submit(self, request: EngineRequest) -> None:
         if not self.is_alive or self._stopped.is_set():
             raise EngineDeadError(f"engine is not running: {self.error!r}")
-        sink = self._sinks.open(request.request_id)
         self._send(Add(request))
-        finished = False
-        try:
-            while not finished:
-                out = await sink.queue.get()
-                finished = out.finished
-                yield out
-        finally:
-            self._sinks.close(request.request_id)
-            if not finished:
-                self.abort(request.request_id)
 
     def abort(self, request_id: str) -> None:
         """Abort a request (any thread); its stream ends with FinishReason.ABORT."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
 
 from pdserve.engine.types import FinishReason, RequestOutput
@@ -38,6 +38,29 @@ class Sinks:
                 raise ValueError(f"duplicate request id {request_id!r}")
             self._sinks[request_id] = sink
         return sink
+
+    async def stream(
+        self, request_id: str, submit: Callable[[], None], abort: Callable[[str], None]
+    ) -> AsyncIterator[RequestOutput]:
+        """One request's outputs: open its sink, `submit()` it (which may raise: engine dead,
+        say), then yield its outputs up to the finished one. Closing the iterator early
+        closes the sink and calls `abort(request_id)`, which frees its KV blocks."""
+        sink = self.open(request_id)
+        try:
+            submit()
+        except BaseException:
+            self.close(request_id)
+            raise
+        finished = False
+        try:
+            while not finished:
+                out = await sink.queue.get()
+                finished = out.finished
+                yield out
+        finally:
+            self.close(request_id)
+            if not finished:
+                abort(request_id)
 
     def close(self, request_id: str) -> None:
         with self._lock:
