@@ -147,6 +147,24 @@ def test_the_core_exits_when_its_front_end_is_killed() -> None:
         assert wait_for(lambda: not _alive(core), timeout=10), "the core outlived its front end"
 
 
+def test_the_front_end_of_a_core_process_does_not_load_torch() -> None:
+    """The core holds the model; its front end (HTTP, gate, metrics) must not pay torch's
+    ~300 MB. Checked in the running processes' memory maps, after every route that reads
+    the core's snapshot has answered."""
+    args = ["serve", "--engine-process", "--role", "decode", "--kv-transfer", "push"]
+    args += ["--model", "builtin:tiny", "--side-channel-port", str(free_port())]
+    with PdserveProcess(args) as server:
+        for route in ("/health", "/metrics", "/kv/info", "/load"):
+            assert httpx.get(f"{server.url}{route}", timeout=5).status_code == 200, route
+        (core,) = _children(server.pid)
+        assert _maps_torch(core), "the core should hold torch (the check would be vacuous)"
+        assert not _maps_torch(server.pid), "the front end loaded torch"
+
+
+def _maps_torch(pid: int) -> bool:
+    return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
+
+
 @pytest.mark.slow  # a real instance that fails to start
 def test_a_taken_side_channel_port_fails_the_core_with_the_port_status() -> None:
     with socket.socket() as taken:

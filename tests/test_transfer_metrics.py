@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, generate_latest
 
-from pdserve.transfer.connector import ConnectorMetrics, ConnectorStats
 from pdserve.transfer.metrics import ConnectorCollector
+from pdserve.transfer.stats import ConnectorMetrics, ConnectorStats
 
 
 def _scrape(stats: ConnectorStats, held: int) -> str:

@@ -37,9 +37,9 @@ from pdserve.engine.types import (
     LiveRequest,
     RequestOutput,
 )
-from pdserve.transfer.connector import ConnectorMetrics
 from pdserve.transfer.hoptrace import hop
 from pdserve.transfer.params import KVTransferParams
+from pdserve.transfer.stats import ConnectorMetrics
 
 __all__ = ["AsyncEngine", "EngineDeadError"]
 

@@ -51,9 +51,8 @@ from pdserve.engine.types import (
     RequestOutput,
 )
 from pdserve.model.tokenizer import Tokenizer
-from pdserve.transfer.connector import ConnectorMetrics
-from pdserve.transfer.params import KVTransferParams
-from pdserve.transfer.pull import check_pull_params
+from pdserve.transfer.params import KVTransferParams, check_pull_params
+from pdserve.transfer.stats import ConnectorMetrics
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ import msgspec
 from pdserve.config import ConnectorConfig, EngineConfig, TransportConfig
 from pdserve.engine.handle import EngineInfo
 from pdserve.engine.types import EngineRequest, EngineStats, LiveRequest, RequestOutput
-from pdserve.transfer.connector import ConnectorMetrics
+from pdserve.transfer.stats import ConnectorMetrics
 
 
 class CoreSpec(msgspec.Struct, frozen=True, kw_only=True):

@@ -22,8 +22,8 @@ import msgspec
 
 from pdserve.engine.types import EngineRequest, EngineStats, LiveRequest, RequestOutput
 from pdserve.model.tokenizer import Tokenizer
-from pdserve.transfer.connector import ConnectorMetrics
 from pdserve.transfer.params import InstanceInfo, InstanceLimits, KVTransferParams
+from pdserve.transfer.stats import ConnectorMetrics
 
 
 class EngineDeadError(RuntimeError):

@@ -47,7 +47,7 @@ from pdserve.server.protocol import (
     ModelList,
     SamplingFields,
 )
-from pdserve.transfer.connector import parse_transfer_error
+from pdserve.transfer.errors import parse_transfer_error
 from pdserve.transfer.params import InvalidKVTransferParams, parse_kv_transfer_params
 
 if TYPE_CHECKING:
@@ -381,7 +381,7 @@ def finish_error(gen_error: str | None, reason: FinishReason, engine_alive: bool
 
 def kv_transfer_error(cause: str, detail: str) -> APIError:
     """The client's error for a P/D request whose KV never arrived (see
-    pdserve.transfer.connector.TRANSFER_ERROR_CAUSES): a 502 of type `kv_transfer_error`
+    pdserve.transfer.errors.TRANSFER_ERROR_CAUSES): a 502 of type `kv_transfer_error`
     (an upstream, the prefill instance or the link to it, failed; retrying may work), or a
     400 when the params were not signed by a prefill instance of this cluster."""
     message = f"KV transfer failed ({cause.replace('_', ' ')}): {detail}"

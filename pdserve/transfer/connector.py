@@ -61,7 +61,6 @@ from __future__ import annotations
 
 import logging
 import queue
-import re
 import threading
 import time
 from collections.abc import Callable
@@ -76,8 +75,10 @@ from pdserve.kv.block_pool import BlockPool
 from pdserve.kv.cache import KVCache
 from pdserve.transfer import messages as m
 from pdserve.transfer.descriptors import Desc, block_descriptors
+from pdserve.transfer.errors import transfer_error
 from pdserve.transfer.params import KVTransferParams
 from pdserve.transfer.side_channel import Address, SideChannel, new_nonce
+from pdserve.transfer.stats import ConnectorMetrics, ConnectorStats, WriterStats
 
 if TYPE_CHECKING:
     from pdserve.transfer.transport import Transport
@@ -567,69 +568,6 @@ class TransferError(RuntimeError):
     def __init__(self, message: str, cause: str = "transfer_failed") -> None:
         super().__init__(message)
         self.cause = cause
-
-
-# Why a transfer failed, as the client sees it (the HTTP layer's error `code` is "kv_<cause>"):
-TRANSFER_ERROR_CAUSES = frozenset(
-    {
-        "peer_down",  # the prefill instance died or restarted while we waited on it
-        "peer_unreachable",  # no handshake with it (nobody there, wrong engine, wrong token)
-        "timeout",  # no KV within the decode instance's watchdog
-        "transfer_failed",  # the READ/WRITE or the prefill itself failed
-        "lease_expired",  # the prefill instance no longer holds the blocks
-        "params_rejected",  # kv_transfer_params not signed by a cluster member (or forged)
-    }
-)
-_TRANSFER_ERROR_RE = re.compile(r"KV transfer failed \[([a-z_]+)\]: (.*)", re.DOTALL)
-
-
-def transfer_error(cause: str, detail: str) -> str:
-    """The error text of a request whose KV transfer failed (see `parse_transfer_error`)."""
-    return f"KV transfer failed [{cause}]: {detail}"
-
-
-def parse_transfer_error(error: str | None) -> tuple[str, str] | None:
-    """(cause, detail) of an error made by `transfer_error`; None for any other error."""
-    found = _TRANSFER_ERROR_RE.fullmatch(error or "")
-    if found is None or found.group(1) not in TRANSFER_ERROR_CAUSES:
-        return None
-    return found.group(1), found.group(2)
-
-
-class ConnectorStats(msgspec.Struct):
-    """Counters for /metrics (ints and floats only; read from any thread)."""
-
-    bytes_moved: int = 0
-    transfers: int = 0
-    transfer_seconds: float = 0.0
-    descriptors: int = 0
-    failures: int = 0
-    lease_expired: int = 0
-    recv_timeouts: int = 0
-    registrations_expired: int = 0
-    peers_down: int = 0
-    received: int = 0  # D: prompts whose KV arrived
-    recv_wait_seconds: float = 0.0  # D: admission (push: registration) to arrival, summed
-
-
-class WriterStats(msgspec.Struct):
-    """Push metrics (read from any thread)."""
-
-    registered_first: int = 0
-    finished_first: int = 0
-    match_wait_s: float = 0.0
-    layerwise: int = 0  # prompts written layer by layer
-    queue_depth: int = 0
-    failures_by_cause: dict[str, int] = msgspec.field(default_factory=dict)
-
-
-class ConnectorMetrics(msgspec.Struct, kw_only=True):
-    """A snapshot of a connector's counters, for /metrics (`pdserve.transfer.metrics`)."""
-
-    mode: str
-    stats: ConnectorStats
-    blocks_held: int
-    writer: WriterStats | None = None  # push's prefill side only
 
 
 class ReleaseHold(msgspec.Struct, frozen=True):

@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterable
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from pdserve.transfer.connector import ConnectorMetrics, WriterStats
+from pdserve.transfer.stats import ConnectorMetrics, WriterStats
 
 # (metric name, help, attribute of the connector's stats), all labelled by mode.
 _CONNECTOR_COUNTERS: tuple[tuple[str, str, str], ...] = (

@@ -237,6 +237,14 @@ def verify(p: KVTransferParams, key: bytes) -> None:
         )
 
 
+def check_pull_params(params: KVTransferParams, key: bytes | None) -> None:
+    """D (pull): with a cluster token, P's signature over every field D uses must hold;
+    raises InvalidKVTransferParams otherwise. Pure: the engine core's connector and a front
+    end in another process (`EngineCoreClient`) check alike."""
+    if key is not None and params.do_remote_prefill:
+        verify(params, key)
+
+
 def lease_ended(p: KVTransferParams, now: float | None = None) -> str | None:
     """D: why P no longer holds the blocks of these params (`expires_at` passed), or None.
     Params without `expires_at` (unsigned) are left to P's claim check."""

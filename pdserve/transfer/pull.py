@@ -45,9 +45,9 @@ from pdserve.transfer.lanes import Lanes
 from pdserve.transfer.params import (
     InvalidKVTransferParams,
     KVTransferParams,
+    check_pull_params,
     lease_ended,
     sign,
-    verify,
 )
 from pdserve.transfer.side_channel import Address, new_nonce
 
@@ -231,11 +231,3 @@ class PullConnector(KVConnector):
     def close(self) -> None:
         self._lanes.close()
         super().close()
-
-
-def check_pull_params(params: KVTransferParams, key: bytes | None) -> None:
-    """D (pull): with a cluster token, P's signature over every field D uses must hold;
-    raises InvalidKVTransferParams otherwise. Pure: the engine core's connector and a front
-    end in another process (`EngineCoreClient`) check alike."""
-    if key is not None and params.do_remote_prefill:
-        verify(params, key)

@@ -1,0 +1,45 @@
+"""Snapshots of a connector's counters: written by its threads, read by /metrics.
+
+Plain msgspec structs with no torch behind them, so a front end in another process can
+decode them from the engine core's snapshots (`pdserve.engine.core_protocol`).
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class ConnectorStats(msgspec.Struct):
+    """Counters for /metrics (ints and floats only; read from any thread)."""
+
+    bytes_moved: int = 0
+    transfers: int = 0
+    transfer_seconds: float = 0.0
+    descriptors: int = 0
+    failures: int = 0
+    lease_expired: int = 0
+    recv_timeouts: int = 0
+    registrations_expired: int = 0
+    peers_down: int = 0
+    received: int = 0  # D: prompts whose KV arrived
+    recv_wait_seconds: float = 0.0  # D: admission (push: registration) to arrival, summed
+
+
+class WriterStats(msgspec.Struct):
+    """Push metrics (read from any thread)."""
+
+    registered_first: int = 0
+    finished_first: int = 0
+    match_wait_s: float = 0.0
+    layerwise: int = 0  # prompts written layer by layer
+    queue_depth: int = 0
+    failures_by_cause: dict[str, int] = msgspec.field(default_factory=dict)
+
+
+class ConnectorMetrics(msgspec.Struct, kw_only=True):
+    """A snapshot of a connector's counters, for /metrics (`pdserve.transfer.metrics`)."""
+
+    mode: str
+    stats: ConnectorStats
+    blocks_held: int
+    writer: WriterStats | None = None  # push's prefill side only
