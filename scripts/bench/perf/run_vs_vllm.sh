@@ -4,6 +4,7 @@
 # The clusters stay up for the whole run (interleaved modes, rotating order per point).
 # MODES (default "pull push monolithic") may add mono1: the monolithic instance on P's one
 # core with one torch thread, i.e. the same compute P has (the light-load TTFT baseline).
+# DTYPE (default float32) is every instance's --dtype.
 set -u
 cd "$(dirname "$0")/../../.."  # the repo root: OUT_DIR and MODEL are relative to it
 OUT=$1; C1_LENS=$2; LOADED=$3; N=${4:-32}
@@ -25,7 +26,7 @@ for mode in "${MODE_LIST[@]}"; do
     *) flag="--kv-transfer $mode" ;;
   esac
   "${pre[@]}" $PY -m pdserve up $flag --model $MODEL --port ${PORT[$mode]} \
-      --log-dir $OUT/logs-$mode -- --dtype float32 --kv-cache-memory 1 "${extra[@]}" \
+      --log-dir $OUT/logs-$mode -- --dtype ${DTYPE:-float32} --kv-cache-memory 1 "${extra[@]}" \
       > $OUT/up-$mode.txt 2>&1 &
   PIDS+=($!)
 done

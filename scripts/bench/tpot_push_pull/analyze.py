@@ -73,7 +73,7 @@ def main() -> None:
     names = json.loads((out / "threads.json").read_text())["names"]
     trace = {
         m: {role: steps(out / f"logs-{m}/{role}-0.log") for role in ("prefill", "decode")}
-        for m in ("push", "pull")
+        for m in dict.fromkeys(row["mode"] for row in rows)
     }
     print(
         "| run | ok/failed | TTFT p50 | TPOT p50 | TPOT p99 | handoff p50 | E2EL p50 | out tok/s "
@@ -132,12 +132,13 @@ def main() -> None:
             f" | {waits} |"
         )
     print("\nD's decode step time by batch size (all runs of a mode pooled):\n")
-    print("| decodes per step | push: steps | push: step ms | pull: steps | pull: step ms |")
-    print("|---|---|---|---|---|")
+    modes = list(trace)
+    print("| decodes per step | " + " | ".join(f"{m}: steps | {m}: step ms" for m in modes) + " |")
+    print("|---|" + "---|---|" * len(modes))
     sizes = sorted({r.decodes for rs in pooled.values() for r in rs})
     for n in sizes:
         cells = []
-        for m in ("push", "pull"):
+        for m in modes:
             xs = [r.step_s for r in pooled[m] if r.decodes == n]
             cells.append(f"{len(xs)} | {1000 * statistics.fmean(xs):.1f}" if xs else "0 | -")
         print(f"| {n} | {' | '.join(cells)} |")

@@ -4,12 +4,13 @@ Both clusters (`pdserve up --kv-transfer push` and `... pull`) are up for the wh
 scripts/bench/perf/run_vs_vllm.sh (P on core 0, D on core 1, router on P's core, bench
 client unpinned as a user would run it). Instances run with `--log-level debug`, so every
 engine step writes a `pdserve.engine.steps` record (pdserve/engine/steptrace.py) to the
-instance's log. Modes alternate ABBA per round; a round's two modes get the same arrival
+instance's log. Modes alternate in palindromic order per round; a round's modes get the same arrival
 seed. Per run this saves the bench result and, before/after, each thread's CPU seconds of
 P, D and the router (/proc/PID/task/*/stat; names from `py-spy dump`) and time.monotonic()
 (the clock of the step records), so analyze.py can cut the step trace per run.
 
 usage: run.py OUTDIR [--rounds 3] [--input-len 1024] [--rate 4] [--num-prompts 32]
+       [--modes push pull push-whole]
        (run under flock /work/notes/bench.lock)
 """
 
@@ -32,15 +33,22 @@ from pdserve.ports import free_port
 
 REPO = Path(__file__).resolve().parents[3]
 PY = str(REPO / ".venv/bin/python")
-MODES = ("push", "pull")
+# variant name -> (transfer mode, extra instance flags); "push-whole" is push without
+# layer-wise streaming (P writes the whole prompt once it is computed)
+VARIANTS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "push": ("push", ()),
+    "pull": ("pull", ()),
+    "push-whole": ("push", ("--no-push-layerwise",)),
+}
 
 
 def start(mode: str, out: Path, model: str) -> tuple[subprocess.Popen, str]:
     port = free_port()
+    kv_transfer, extra = VARIANTS[mode]
     log = open(out / f"up-{mode}.log", "w")  # noqa: SIM115 - lives as long as the cluster
-    cmd = [PY, "-m", "pdserve", "up", "--kv-transfer", mode, "--model", model]
+    cmd = [PY, "-m", "pdserve", "up", "--kv-transfer", kv_transfer, "--model", model]
     cmd += ["--port", str(port), "--log-dir", str(out / f"logs-{mode}")]
-    cmd += ["--", "--dtype", "float32", "--kv-cache-memory", "1", "--log-level", "debug"]
+    cmd += ["--", "--dtype", "float32", "--kv-cache-memory", "1", "--log-level", "debug", *extra]
     popen = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
     return popen, f"http://127.0.0.1:{port}"
 
@@ -95,10 +103,12 @@ def main() -> None:
     ap.add_argument("--rate", type=float, default=4.0)
     ap.add_argument("--num-prompts", type=int, default=32)
     ap.add_argument("--model", default="results/ckpt-qwen3-4l256")
+    ap.add_argument("--modes", nargs="+", choices=sorted(VARIANTS), default=["push", "pull"])
     a = ap.parse_args()
+    modes = tuple(a.modes)
     a.out.mkdir(parents=True, exist_ok=True)
     print(f"start {time.strftime('%F %T')} load {Path('/proc/loadavg').read_text().strip()}")
-    started = {m: start(m, a.out, a.model) for m in MODES}
+    started = {m: start(m, a.out, a.model) for m in modes}
     clusters = {}
     try:
         for m, (popen, url) in started.items():
@@ -112,10 +122,15 @@ def main() -> None:
         (a.out / "threads.json").write_text(json.dumps({"pids": pids, "names": names}))
         rows = []
         for r in range(1, a.rounds + 1):
-            order = MODES if r % 2 else MODES[::-1]
+            order = modes if r % 2 else modes[::-1]
             for m in order:
                 _, url, pids = clusters[m]
-                idle = next(c[2] for k, c in clusters.items() if k != m)
+                idle = {  # every other cluster's processes
+                    f"{k}:{role}": pid
+                    for k, c in clusters.items()
+                    if k != m
+                    for role, pid in c[2].items()
+                }
                 tag = f"r{r}-{m}"
                 s0 = snapshot(pids, idle)
                 rc, client_cpu = bench(url, a, r, a.out / f"{tag}.json", a.out / f"{tag}.txt")
