@@ -48,6 +48,7 @@ from pdserve.bench.metrics import (
     per_request_arrays,
     save_result,
 )
+from pdserve.keepalive import client_limits
 
 DEFAULT_NUM_PROMPTS = 100
 WARMUP_MAX_TOKENS = 16  # enough to go through prefill, KV handoff and a few decode steps
@@ -120,7 +121,7 @@ def _http_client(cfg: BenchConfig) -> httpx.AsyncClient:
     headers = {"authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
     return httpx.AsyncClient(
         timeout=httpx.Timeout(cfg.request_timeout_s, connect=min(10.0, cfg.request_timeout_s)),
-        limits=httpx.Limits(max_connections=cfg.max_concurrency, max_keepalive_connections=None),
+        limits=client_limits(cfg.max_concurrency),
         headers=headers,
     )
 

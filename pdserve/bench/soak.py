@@ -67,6 +67,7 @@ from pdserve.bench.soak_traffic import (
     poisson_arrivals,
     send,
 )
+from pdserve.keepalive import client_limits
 from pdserve.launcher import Cluster, ClusterConfig, ClusterError
 
 PREFILL = "prefill-0"
@@ -136,7 +137,7 @@ def _rngs(seed: int) -> list[np.random.Generator]:
 def _http(cfg: SoakConfig) -> httpx.AsyncClient:
     return httpx.AsyncClient(
         timeout=httpx.Timeout(cfg.request_timeout_s, connect=10.0),
-        limits=httpx.Limits(max_connections=cfg.max_concurrency + 4),
+        limits=client_limits(cfg.max_concurrency + 4),
         trust_env=False,
     )
 

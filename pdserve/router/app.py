@@ -27,6 +27,7 @@ import msgspec
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from pdserve.keepalive import client_limits
 from pdserve.router.config import RouterConfig
 from pdserve.router.dispatch import Call, Dispatcher, cancel_and_wait
 from pdserve.router.health import HealthMonitor, Instance, InstancePool
@@ -54,10 +55,7 @@ class RouterState:
 
 
 def _client(config: RouterConfig) -> httpx.AsyncClient:
-    limits = httpx.Limits(
-        max_connections=config.max_connections,
-        max_keepalive_connections=config.max_keepalive_connections,
-    )
+    limits = client_limits(config.max_connections, config.max_keepalive_connections)
     # trust_env=False: an HTTP(S)_PROXY in the environment must not capture loopback traffic.
     return httpx.AsyncClient(
         limits=limits, trust_env=False, timeout=httpx.Timeout(config.request_timeout_s)

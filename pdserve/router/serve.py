@@ -8,6 +8,7 @@ import os
 
 import uvicorn
 
+from pdserve.keepalive import SERVER_KEEPALIVE_S
 from pdserve.ports import EXIT_ADDRESS_IN_USE, bind_socket, is_address_in_use
 from pdserve.router.app import create_app
 from pdserve.router.config import (
@@ -117,6 +118,7 @@ def main(args: argparse.Namespace) -> int:
             access_log=args.access_log,
             # Open client streams must not hold a shutdown (Ctrl-C, `pdserve up` stopping) long.
             timeout_graceful_shutdown=5,
+            timeout_keep_alive=SERVER_KEEPALIVE_S,  # longer than clients keep theirs
             loop=UVICORN_LOOP,
         )
     )

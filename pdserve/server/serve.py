@@ -31,6 +31,7 @@ from pdserve.config import (
     SchedulerConfig,
     ServerConfig,
 )
+from pdserve.keepalive import SERVER_KEEPALIVE_S
 from pdserve.ports import EXIT_ADDRESS_IN_USE, bind_socket, is_address_in_use
 from pdserve.transfer.factory import add_transfer_arguments
 
@@ -329,6 +330,7 @@ def _serve_http(
         app,
         log_level=log_level,
         timeout_graceful_shutdown=SHUTDOWN_GRACE_S + 5,
+        timeout_keep_alive=SERVER_KEEPALIVE_S,  # longer than clients keep theirs (see there)
         loop=UVICORN_LOOP,
     )
     host, port = sock.getsockname()[:2]

@@ -42,13 +42,13 @@ VARIANTS: dict[str, tuple[str, tuple[str, ...]]] = {
 }
 
 
-def start(mode: str, out: Path, model: str) -> tuple[subprocess.Popen, str]:
+def start(mode: str, out: Path, model: str, dtype: str) -> tuple[subprocess.Popen, str]:
     port = free_port()
     kv_transfer, extra = VARIANTS[mode]
     log = open(out / f"up-{mode}.log", "w")  # noqa: SIM115 - lives as long as the cluster
     cmd = [PY, "-m", "pdserve", "up", "--kv-transfer", kv_transfer, "--model", model]
     cmd += ["--port", str(port), "--log-dir", str(out / f"logs-{mode}")]
-    cmd += ["--", "--dtype", "float32", "--kv-cache-memory", "1", "--log-level", "debug", *extra]
+    cmd += ["--", "--dtype", dtype, "--kv-cache-memory", "1", "--log-level", "debug", *extra]
     popen = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
     return popen, f"http://127.0.0.1:{port}"
 
@@ -103,12 +103,13 @@ def main() -> None:
     ap.add_argument("--rate", type=float, default=4.0)
     ap.add_argument("--num-prompts", type=int, default=32)
     ap.add_argument("--model", default="results/ckpt-qwen3-4l256")
+    ap.add_argument("--dtype", default="float32", help="every instance's --dtype")
     ap.add_argument("--modes", nargs="+", choices=sorted(VARIANTS), default=["push", "pull"])
     a = ap.parse_args()
     modes = tuple(a.modes)
     a.out.mkdir(parents=True, exist_ok=True)
     print(f"start {time.strftime('%F %T')} load {Path('/proc/loadavg').read_text().strip()}")
-    started = {m: start(m, a.out, a.model) for m in modes}
+    started = {m: start(m, a.out, a.model, a.dtype) for m in modes}
     clusters = {}
     try:
         for m, (popen, url) in started.items():
