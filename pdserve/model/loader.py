@@ -26,6 +26,7 @@ from safetensors import safe_open
 
 from pdserve.config import ModelConfig
 from pdserve.model.builtin import ensure_builtin
+from pdserve.model.cpu_features import cpu_flags, dtype_advice
 from pdserve.model.decoder import Decoder
 from pdserve.model.spec import ModelSpec, torch_dtype_of
 from pdserve.model.tokenizer import Tokenizer
@@ -61,6 +62,8 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
     path = resolve_model_path(cfg)
     spec = ModelSpec.from_hf_config(json.loads((path / "config.json").read_text()))
     dtype = resolve_dtype(cfg.dtype, spec, cfg.device)
+    if torch.device(cfg.device).type == "cpu" and (advice := dtype_advice(dtype, cpu_flags())):
+        log.info("%s", advice)
     max_positions = cfg.max_model_len or spec.max_position_embeddings
     model = Decoder(spec, dtype=dtype, device=cfg.device, max_positions=max_positions)
     load_weights(model, path)
