@@ -39,8 +39,8 @@ one P sampled (carried in the params for pull, in the WRITE's notification for
 push), so D emits it as soon as the KV is in place, without a model step.
 
 Failures: every request failed by the connector ends with an error made by
-`transfer_error(cause, detail)` (causes: TRANSFER_ERROR_CAUSES), which the HTTP layer
-answers as a 502 `kv_transfer_error` (400 for `params_rejected`).
+`transfer_error(cause, detail)` (pdserve.transfer.errors; causes: TRANSFER_ERROR_CAUSES),
+which the HTTP layer answers as a 502 `kv_transfer_error` (400 for `params_rejected`).
 
 Trust (details and a table in docs/transport.md, "Connector security"):
   With a cluster token, the transports and the side channel admit only peers that prove

@@ -19,6 +19,7 @@ import argparse
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -114,14 +115,8 @@ def summary(out: Path) -> None:
     print("| point | engine | runs | TTFT p50 | TTFT p99 | TPOT p50 | TPOT p99 |")
     print("|---|---|---|---|---|---|---|")
     for (point, engine), res in sorted(rows.items()):
-        cells = " | ".join(f"{_median([r[k] for r in res]):.2f}" for k in keys)
+        cells = " | ".join(f"{statistics.median(r[k] for r in res):.2f}" for k in keys)
         print(f"| {point} | {engine} | {len(res)} | {cells} |")
-
-
-def _median(xs: list[float]) -> float:
-    xs = sorted(xs)
-    n = len(xs)
-    return xs[n // 2] if n % 2 else (xs[n // 2 - 1] + xs[n // 2]) / 2
 
 
 def main() -> None:
