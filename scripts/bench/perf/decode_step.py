@@ -18,10 +18,10 @@ from pdserve.engine.engine import LLMEngine
 from pdserve.engine.types import EngineRequest, SamplingParams
 
 
-def engine_with_batch(model: str, batch: int, steps: int) -> LLMEngine:
+def engine_with_batch(model: str, batch: int, steps: int, dtype: str = "float32") -> LLMEngine:
     """An engine whose `batch` requests have their prompts cached and decode `steps` more."""
     cfg = EngineConfig(
-        model=ModelConfig(model=model, dtype="float32"),
+        model=ModelConfig(model=model, dtype=dtype),
         cache=CacheConfig(kv_cache_memory_gib=1.0),
         scheduler=SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=256),
     )

@@ -193,13 +193,14 @@ def summary(out: Path) -> None:
         rows.setdefault((point, name), []).append(json.loads(f.read_text()))
     keys = ("median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms")
     head = ("point", "cluster", "rounds", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99")
-    print("| " + " | ".join((*head, "TTFT p50 by round", "TPOT p50 by round")) + " |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| " + " | ".join((*head, "TTFT p50 by round", "TPOT p50 by round", "failed")) + " |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for (point, name), res in sorted(rows.items()):
         cells = " | ".join(f"{statistics.median(r[k] for r in res):.1f}" for k in keys)
         ttft = "/".join(f"{r['median_ttft_ms']:.0f}" for r in res)
         tpot = "/".join(f"{r['median_tpot_ms']:.2f}" for r in res)
-        print(f"| {point} | {name} | {len(res)} | {cells} | {ttft} | {tpot} |")
+        failed = sum(r["failed"] for r in res)
+        print(f"| {point} | {name} | {len(res)} | {cells} | {ttft} | {tpot} | {failed} |")
 
 
 def main() -> None:
