@@ -2,7 +2,7 @@
 
 Prints wall and thread-CPU ms per step over the timed steps (CPU time excludes the time
 the thread waits for a core, so it moves less with other load on a shared machine).
-usage: python scripts/bench/perf/decode_step.py MODEL BATCH STEPS [--profile]
+usage: python scripts/bench/perf/decode_step.py MODEL BATCH STEPS [--profile] [--bf16]
 """
 
 from __future__ import annotations
@@ -36,9 +36,9 @@ def engine_with_batch(model: str, batch: int, steps: int, dtype: str = "float32"
     return engine
 
 
-def main(model: str, batch: int, steps: int, profile: bool) -> None:
+def main(model: str, batch: int, steps: int, profile: bool, dtype: str) -> None:
     torch.set_num_threads(1)
-    engine = engine_with_batch(model, batch, steps)
+    engine = engine_with_batch(model, batch, steps, dtype)
     if profile:
         from torch.profiler import profile as torch_profile
 
@@ -55,4 +55,5 @@ def main(model: str, batch: int, steps: int, profile: bool) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), "--profile" in sys.argv)
+    dtype = "bfloat16" if "--bf16" in sys.argv else "float32"
+    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), "--profile" in sys.argv, dtype)
