@@ -102,7 +102,7 @@ def vllm_cmd(a: argparse.Namespace, role: str, port: int, connector: str) -> lis
         "kv_role": "kv_producer" if role == "P" else "kv_consumer",
         "kv_buffer_device": "cpu",
         "engine_id": role,
-        "kv_connector_extra_config": {"push_registration_timeout": 60},
+        "kv_connector_extra_config": {"push_registration_timeout": 20},
     }
     cmd = ["taskset", "-c", core, a.vllm_python, "-m", "vllm.entrypoints.openai.api_server"]
     cmd += ["--model", a.model, "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16"]
@@ -143,7 +143,8 @@ def wait_ready(
         try:
             model = httpx.get(f"{url}/v1/models", timeout=2).json()["data"][0]["id"]
             r = httpx.post(f"{url}/v1/completions", json={**body, "model": model}, timeout=120)
-            if r.status_code == 200 and r.text.strip():
+            # a push stream that failed still answers 200, with an error in its body
+            if r.status_code == 200 and '"choices"' in r.text and '"error"' not in r.text:
                 return
         except (httpx.HTTPError, KeyError, ValueError):
             pass

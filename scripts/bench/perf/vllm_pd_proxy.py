@@ -61,7 +61,14 @@ def make_app(a: argparse.Namespace) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:
-        r = await client.get(f"{a.decode}/v1/models")
+        """D's model list, but only once P answers too (a push request needs both up)."""
+        try:
+            p = await client.get(f"{a.prefill}/v1/models")
+            r = await client.get(f"{a.decode}/v1/models")
+        except httpx.HTTPError as e:
+            return JSONResponse({"error": {"message": f"P or D not up: {e!r}"}}, status_code=503)
+        if p.status_code != 200:
+            return JSONResponse(p.json(), status_code=p.status_code)
         return JSONResponse(r.json(), status_code=r.status_code)
 
     async def stream_d(body: dict, rid: str, p_task: asyncio.Task | None) -> AsyncIterator[bytes]:
