@@ -119,7 +119,7 @@ def start_vllm(name: str, a: argparse.Namespace, logs: Path) -> tuple[Procs, str
     if name.endswith(("-noprog", "-delay")):
         base["PYTHONPATH"] = str(HERE / "vllm_noprog")
     if name.endswith("-delay"):
-        base["PDSERVE_NIXL_PTHR_DELAY_US"] = PTHR_DELAY_US
+        base.setdefault("PDSERVE_NIXL_PTHR_DELAY_US", PTHR_DELAY_US)  # env overrides
     procs = []
     for role, port, side, core in (("P", p_port, p_side, "0"), ("D", d_port, d_side, "1")):
         env = {**base, "VLLM_CPU_OMP_THREADS_BIND": core, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side)}
