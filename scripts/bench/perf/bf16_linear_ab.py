@@ -1,6 +1,6 @@
 """bf16 decode and prefill with other weight layouts and kernels, vs pdserve's linears (issue 8).
 
-scripts/bench/perf/linear_kernels.py and a GEMV check found, per call on one thread:
+scripts/bench/perf/linear_kernels.py found, per call on one thread:
 - oneDNN's ahead-of-time packed bf16 weights 27-32% faster than today's `F.linear` on a
   transposed ([in, out] storage) view at 1-4 rows, slower at 1024 rows;
 - `torch.mv` on a row-major [out, in] bf16 weight ~34% faster than today's layout at one row

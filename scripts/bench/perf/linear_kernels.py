@@ -6,7 +6,8 @@ comparison checkpoint) it times, on one thread:
 - `F.linear` with the weight stored [in, out] and passed as a transposed view (what
   pdserve's decoder does today: `_store_transposed`);
 - oneDNN with a weight packed once ahead of time (`torch.ops.mkldnn._reorder_linear_weight`
-  + `_linear_pointwise`, the path Inductor's freezing takes for bfloat16 on CPU).
+  + `_linear_pointwise`, the path Inductor's freezing takes for bfloat16 on CPU);
+- at one row, `torch.mv` on either storage (PyTorch's own GEMV paths).
 Each variant's output is checked against the first one's before it is timed. Variants run
 interleaved, `--repeats` times each per round, and the median per call is reported.
 The weights of all seven projections of all four layers are cycled through, so that a call
@@ -38,6 +39,9 @@ def variants(w: torch.Tensor, rows: int) -> dict[str, Kernel]:
         "out_in": lambda x: F.linear(x, row_major),
         "in_out_view": lambda x: F.linear(x, transposed),
     }
+    if rows == 1:
+        out["mv_out_in"] = lambda x: torch.mv(row_major, x[0]).unsqueeze(0)
+        out["mv_in_out_view"] = lambda x: torch.mv(transposed, x[0]).unsqueeze(0)
     if w.dtype == torch.bfloat16 and torch.backends.mkldnn.is_available():
         packed = torch.ops.mkldnn._reorder_linear_weight(row_major, rows)
         out["onednn_packed"] = lambda x: torch.ops.mkldnn._linear_pointwise(

@@ -16,16 +16,14 @@ Run it under `flock /work/notes/bench.lock`.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import signal
-import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import httpx
+from vllm_pd_ab import stop, summary
 
 from pdserve.ports import free_ports
 
@@ -80,15 +78,7 @@ def wait_ready(servers: dict[str, tuple[subprocess.Popen, str]], timeout_s: floa
 
 
 def stop_servers(servers: dict[str, tuple[subprocess.Popen, str]]) -> None:
-    for popen, _ in servers.values():
-        if popen.poll() is None:
-            os.killpg(popen.pid, signal.SIGTERM)
-    for popen, _ in servers.values():
-        try:
-            popen.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(popen.pid, signal.SIGKILL)
-            popen.wait()
+    stop([popen for popen, _ in servers.values()])
 
 
 def bench(a: argparse.Namespace, url: str, point: str, seed: int, save: Path) -> int:
@@ -103,20 +93,6 @@ def bench(a: argparse.Namespace, url: str, point: str, seed: int, save: Path) ->
         cmd += ["--request-rate", load]
     with open(save.with_suffix(".txt"), "w") as log:
         return subprocess.run(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT).returncode
-
-
-def summary(out: Path) -> None:
-    """Per point: medians over rounds of each engine's p50/p99, and vLLM/pdserve ratios."""
-    rows: dict[tuple[str, str], list[dict]] = {}
-    for f in sorted(out.glob("*.json")):
-        _, point, engine = f.stem.split("__")
-        rows.setdefault((point, engine), []).append(json.loads(f.read_text()))
-    keys = ("median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms")
-    print("| point | engine | runs | TTFT p50 | TTFT p99 | TPOT p50 | TPOT p99 |")
-    print("|---|---|---|---|---|---|---|")
-    for (point, engine), res in sorted(rows.items()):
-        cells = " | ".join(f"{statistics.median(r[k] for r in res):.2f}" for k in keys)
-        print(f"| {point} | {engine} | {len(res)} | {cells} |")
 
 
 def main() -> None:

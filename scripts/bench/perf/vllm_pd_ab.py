@@ -18,10 +18,10 @@ Clusters (`--clusters`):
   pdserve-push-nixl / pdserve-pull-nixl  over NIXL (UCX) instead of pdserve's tcp transport
   vllm-push / vllm-pull                vLLM as shipped (progress thread on)
   vllm-push-noprog / vllm-pull-noprog  vLLM with NIXL's progress thread off (a
-                                       sitecustomize in vllm_noprog/ flips the default);
-                                       vLLM's push then loses registrations (see there)
+                                       sitecustomize in vllm_noprog/ flips the default)
   vllm-push-delay / vllm-pull-delay    vLLM with the progress thread sleeping 100 us
-                                       between polls instead of busy-polling
+                                       (or $PDSERVE_NIXL_PTHR_DELAY_US) between polls
+  vLLM's push fails in both of these (docs/benchmarks.md, session 9); its pull works.
 
 usage: vllm_pd_ab.py OUTDIR --vllm-python VENV/bin/python [--points 1024:1 4096:1]
        [--rounds 2] [--num-prompts 24] [--clusters ...]   (under flock /work/notes/bench.lock)
@@ -187,13 +187,15 @@ def run_cluster(name: str, a: argparse.Namespace, r: int) -> None:
 
 
 def summary(out: Path) -> None:
-    """Per point and cluster: medians over rounds of p50/p99 TTFT and TPOT."""
+    """Per point and setup: medians over rounds of p50/p99 TTFT and TPOT, per-round p50s.
+
+    Reads OUTDIR's `r<round>__<point>__<setup>.json` (also vllm_mono_ab.py's results)."""
     rows: dict[tuple[str, str], list[dict]] = {}
     for f in sorted(out.glob("r*__*.json")):
         _, point, name = f.stem.split("__")
         rows.setdefault((point, name), []).append(json.loads(f.read_text()))
     keys = ("median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms")
-    head = ("point", "cluster", "rounds", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99")
+    head = ("point", "setup", "rounds", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99")
     print("| " + " | ".join((*head, "TTFT p50 by round", "TPOT p50 by round", "failed")) + " |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for (point, name), res in sorted(rows.items()):

@@ -5,9 +5,10 @@ leaves NIXL's progress thread on, and `nixl_agent` sets that thread's delay to 0
 busy-polls, taking about half of an instance's only core. Two ways out, chosen by env:
 - `PDSERVE_NIXL_PTHR_DELAY_US=N`: keep the progress thread, but let it sleep N us between
   polls (NIXL's `pthrDelay`; the Python wrapper hard-codes 0);
-- otherwise: no progress thread (what pdserve's nixl transport does). vLLM's pull path
-  still works (its workers poll), but its push path then loses registrations: a PUSH_REG
-  notification sent while P's writer thread is parked is never progressed.
+- otherwise: no progress thread (what pdserve's nixl transport does).
+vLLM's pull path works either way. Its push path fails either way on one core per instance:
+P posts the WRITE, D's receive never completes, and the request times out
+(docs/benchmarks.md, session 9).
 Only these settings change.
 """
 
