@@ -18,6 +18,10 @@ router shares the prefill instances' cores: left unpinned, the scheduler moves i
 decode core whenever P is busy, which measurably slows decoding (docs/benchmarks.md,
 "Decode TPOT with KV transfers in flight"). `check_pinning` verifies every thread afterwards.
 
+`cores` (`--cores`) narrows the cores shared out to a given list; with fewer cores than
+instances, every instance is pinned to all of them. `--monolithic --cores 0` is the baseline
+with one prefill instance's compute (`mono1` in `pdserve bench sweep`).
+
 Monolithic (`--monolithic`): one `--role both` instance and no router; `router_url` is then
 the instance's URL, so a benchmark reaches the floor through the same API.
 
@@ -100,12 +104,17 @@ class ClusterConfig:
     log_dir: Path | None = None  # None: a new temporary directory
     instance_args: tuple[str, ...] = ()  # appended to every instance's command line
     pin_cores: bool = True
+    # The cores the cluster may use (shared out as above); None: the launcher's own affinity.
+    # `(0,)` with `kv_transfer=None` is the one-core monolithic baseline, P's compute alone.
+    cores: tuple[int, ...] | None = None
     startup_timeout_s: float = 300.0
     stop_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
         if self.kv_transfer is not None and (self.num_prefill < 1 or self.num_decode < 1):
             raise ValueError("a P/D cluster needs at least one prefill and one decode instance")
+        if self.cores is not None and not self.cores:
+            raise ValueError("cores: give at least one core, or None for all of them")
 
     @property
     def monolithic(self) -> bool:
@@ -358,13 +367,32 @@ class Cluster:
         """Ports `instance_specs` takes: HTTP and side channel per P/D instance."""
         return len(self._roles()) * (1 if self.config.monolithic else 2)
 
+    def usable_cores(self) -> list[int]:
+        """The cores shared out among the instances: the config's, else all this process may
+        use. Raises ClusterError for a core this process may not use."""
+        allowed = sorted(os.sched_getaffinity(0))
+        if self.config.cores is None:
+            return allowed
+        if bad := sorted(set(self.config.cores) - set(allowed)):
+            raise ClusterError(f"cores {bad} are not available (this process may use {allowed})")
+        return sorted(set(self.config.cores))
+
+    def _core_shares(self, count: int) -> list[tuple[int, ...]] | None:
+        """Each instance's cores: equal disjoint shares when there are enough; else, with
+        `cores` given, every instance on all of them (still inside what was asked for)."""
+        usable = self.usable_cores()
+        shares = assign_cores(count, usable)
+        if shares is None and self.config.cores is not None:
+            shares = [tuple(usable)] * count
+        return shares
+
     def instance_specs(self, ports: Sequence[int] | None = None) -> list[InstanceSpec]:
         """What to start, in start order (prefill first), with ports and cores assigned.
         `ports`: `_ports_needed()` distinct free ports to use (default: picked here)."""
         c = self.config
         roles = self._roles()
         free = iter(ports if ports is not None else free_ports(self._ports_needed()))
-        shares = assign_cores(len(roles), sorted(os.sched_getaffinity(0))) if c.pin_cores else None
+        shares = self._core_shares(len(roles)) if c.pin_cores else None
         index: dict[str, int] = {}
         specs = []
         pd = not c.monolithic
@@ -575,10 +603,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--log-dir", type=Path, help="one log file per process (default: a temp dir)"
     )
     parser.add_argument("--no-pin", action="store_true", help="do not pin instances to cores")
+    parser.add_argument(
+        "--cores",
+        type=_core_list,
+        metavar="LIST",
+        help="use only these cores, shared out as without it, e.g. '0' or '0,1' (default: all "
+        "this process may use); '--monolithic --cores 0' is the one-core baseline",
+    )
     parser.add_argument("--startup-timeout", type=float, default=300.0, metavar="S")
     parser.add_argument(
         "instance_args", nargs=argparse.REMAINDER, help="-- then extra arguments for every instance"
     )
+
+
+def _core_list(text: str) -> tuple[int, ...]:
+    try:
+        cores = tuple(int(c) for c in text.split(",") if c.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a comma-separated list of cores: {text!r}") from None
+    if not cores or min(cores) < 0:
+        raise argparse.ArgumentTypeError(f"not a list of core numbers: {text!r}")
+    return cores
 
 
 def config_from_args(args: argparse.Namespace) -> ClusterConfig:
@@ -602,6 +647,7 @@ def config_from_args(args: argparse.Namespace) -> ClusterConfig:
         log_dir=args.log_dir,
         instance_args=tuple(extra),
         pin_cores=not args.no_pin,
+        cores=args.cores,
         startup_timeout_s=args.startup_timeout,
     )
 

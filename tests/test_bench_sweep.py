@@ -22,7 +22,13 @@ from pdserve.bench.metrics import (
     per_request_arrays,
 )
 from pdserve.bench.serve import BenchConfig
-from pdserve.bench.sweep_report import load_results_of, sweep_table, write_sweep_report
+from pdserve.bench.sweep_report import (
+    load_results_of,
+    summary_text,
+    sweep_table,
+    write_sweep_report,
+)
+from pdserve.launcher import Cluster
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -126,6 +132,18 @@ def test_flags_parse_into_the_config() -> None:
     mono = sweep.cluster_config(cfg, "monolithic", Path("/tmp/l"))
     assert mono.monolithic and mono.model == "builtin:small"
     assert mono.instance_args == ("--max-num-seqs", "8")
+    assert mono.cores is None  # every core the launcher may use
+
+
+def test_mono1_is_one_monolithic_instance_on_the_prefill_core(tmp_path: Path) -> None:
+    cfg = _cfg(tmp_path, modes=("push", "mono1"))
+    mono1 = sweep.cluster_config(cfg, "mono1", Path("/tmp/l"))
+    assert mono1.monolithic and mono1.cores == sweep.prefill_cores()
+    if sweep.prefill_cores() is not None:  # pinned only with 2+ cores, as P is
+        push = Cluster(sweep.cluster_config(cfg, "push", Path("/tmp/l"))).instance_specs()
+        (spec,) = Cluster(mono1).instance_specs()
+        assert spec.cores == push[0].cores and spec.threads == push[0].threads
+        assert spec.role == "both" and push[0].role == "prefill"
 
 
 # -- utilisation ----------------------------------------------------------------------------
@@ -340,6 +358,7 @@ def test_report_has_every_point_with_utilisation_ratios_and_plots(
     assert "| 512 | 4 | 2.00 | push | point failed |" in table
     assert "push in=512 rate=4: EndpointError" in text
     assert "TTFT p50 push/pull" in text  # the ratio table of pdserve.bench.report
+    assert "push/mono1" not in text  # no such mode ran
     names = {p.name for p in files.plots}
     assert {"report_ttft.png", "report_tpot.png", "report_ratio.png"} <= names
     for plot in files.plots:
@@ -347,6 +366,21 @@ def test_report_has_every_point_with_utilisation_ratios_and_plots(
     reread = msgspec.json.decode(files.manifest.read_bytes(), type=sweep.SweepManifest)
     assert reread == manifest
     assert len(load_results_of(reread, tmp_path)) == 7
+
+
+def test_summary_compares_push_with_each_monolithic_floor_that_ran(
+    tmp_path: Path, stand_in: list[BenchConfig]
+) -> None:
+    cfg = _cfg(tmp_path, rates=(1.0,), modes=("push", "mono1", "monolithic"), num_prompts=2)
+    manifest, results = sweep.run_sweep(cfg, lambda s: None)
+    text = summary_text(manifest, results)
+    for floor in ("mono1", "monolithic"):
+        head = next(line for line in text.splitlines() if f"TTFT p50 push/{floor}" in line)
+        rows = text.split(head)[1].splitlines()[2:4]
+        # the stand-in halves TTFT for push: 128 x 1 ms / 2 over 128 x 1 ms
+        assert rows[0].startswith("| 128 | 1 | 0.50 |"), rows
+        assert rows[1].startswith("| 512 | 1 | 0.50 |"), rows
+    assert "push / pull" not in text  # pull did not run
 
 
 # -- live: real clusters --------------------------------------------------------------------

@@ -100,6 +100,30 @@ def test_up_arguments_map_to_config() -> None:
         parser.parse_args(["--kv-transfer", "push", "--policy", "fastest"])
 
 
+def test_cores_narrow_what_is_shared_out() -> None:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = ["--monolithic", "--cores"]
+    assert config_from_args(parser.parse_args([*args, "0,1"])).cores == (0, 1)
+    assert config_from_args(parser.parse_args(["--monolithic"])).cores is None
+    for bad in ("x", "", "-1"):
+        with pytest.raises(SystemExit):
+            parser.parse_args([*args, bad])
+    first = CORES[0]
+    mono1 = Cluster(ClusterConfig(kv_transfer=None, cores=(first,))).instance_specs()
+    assert [(s.role, s.cores, s.threads) for s in mono1] == [("both", (first,), 1)]
+    # fewer cores than instances: every instance on all of them, none outside
+    pd = Cluster(ClusterConfig(kv_transfer="push", cores=(first,))).instance_specs()
+    assert [s.cores for s in pd] == [(first,), (first,)]
+    unpinned = ClusterConfig(kv_transfer="push", cores=(first,), pin_cores=False)
+    assert [s.cores for s in Cluster(unpinned).instance_specs()] == [None, None]
+    missing = max(CORES) + 1
+    with pytest.raises(ClusterError, match=rf"cores \[{missing}\] are not available"):
+        Cluster(ClusterConfig(cores=(first, missing))).instance_specs()
+    with pytest.raises(ValueError, match="at least one core"):
+        ClusterConfig(cores=())
+
+
 @pytest.mark.slow  # a 3-process cluster
 def test_cluster_starts_serves_and_stops_processes_by_pid(tmp_path: Path) -> None:
     config = ClusterConfig(

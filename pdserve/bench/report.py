@@ -190,17 +190,23 @@ def ratio_rows(
     return rows
 
 
-def ratio_table(results: Sequence[BenchResult], mode: str = "push", baseline: str = "pull") -> str:
-    """Markdown table of mode / baseline latency ratios; empty if no point has both."""
+def ratio_table(
+    results: Sequence[BenchResult],
+    mode: str = "push",
+    baseline: str = "pull",
+    metrics: Sequence[tuple[str, str]] = RATIO_TABLE_METRICS,
+) -> str:
+    """Markdown table of mode / baseline ratios of `metrics` (attribute, label); empty if no
+    point has both modes."""
     rows = ratio_rows(results, mode, baseline)
     if not rows:
         return ""
-    labels = [f"{label} {mode}/{baseline}" for _, label in RATIO_TABLE_METRICS]
+    labels = [f"{label} {mode}/{baseline}" for _, label in metrics]
     head = ["input", "rate (req/s)", *labels]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for input_len, rate, ratios in rows:
         cells = [f"{input_len}", rate_label(rate)]
-        cells += [_fmt(ratios[k], 2) for k, _ in RATIO_TABLE_METRICS]
+        cells += [_fmt(ratios[k], 2) for k, _ in metrics]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -1,6 +1,7 @@
 """`pdserve bench sweep`: a grid of input lengths x request rates x modes, with a report.
 
-For each mode in turn (pull, push, monolithic by default) the sweep starts a local cluster
+For each mode in turn (pull, push, monolithic by default; `mono1` is a monolithic instance
+on the prefill instance's core only) the sweep starts a local cluster
 with the launcher (`pdserve up`), or uses a URL given with `--base-url MODE=URL`, warms it
 (two requests at each input length, one at a time), runs every (input length, rate) point
 with `run_benchmark`, and stops the cluster by PID, also on Ctrl-C, SIGTERM or an error.
@@ -56,7 +57,11 @@ from pdserve.bench.sweep_report import (
 )
 from pdserve.launcher import Cluster, ClusterConfig, ClusterError, assign_cores
 
-LOCAL_MODES = ("pull", "push", "monolithic")
+LOCAL_MODES = ("pull", "push", "monolithic", "mono1")
+DEFAULT_MODES = ("pull", "push", "monolithic")
+# mono1: one monolithic instance on the prefill instance's core(s) alone, so its TTFT has P's
+# compute and no transfer: the floor that issue 8's light-load TTFT target compares push with.
+MONO1 = "mono1"
 # builtin:small on one core: prefill from ~0.1 (1024 at 0.5 req/s) to ~6 (4096 at 4 req/s)
 DEFAULT_INPUT_LENS = (1024, 2048, 4096)
 DEFAULT_RATES = (0.5, 1.0, 2.0, 4.0)
@@ -67,14 +72,14 @@ WARMUP_OUTPUT_LEN = 8
 @dataclass(frozen=True)
 class SweepConfig:
     """One sweep. `base_urls` maps a mode to a running endpoint (not started or stopped);
-    other modes must be local ones (pull, push, monolithic). `prefill_tok_s` (length,
+    other modes must be local ones (pull, push, monolithic, mono1). `prefill_tok_s` (length,
     tokens/s) gives the prefill capacity instead of measuring it; `calibrate=False` and
     no `prefill_tok_s`: no utilisation column."""
 
     out_dir: Path
     input_lens: tuple[int, ...] = DEFAULT_INPUT_LENS
     rates: tuple[float, ...] = DEFAULT_RATES
-    modes: tuple[str, ...] = LOCAL_MODES
+    modes: tuple[str, ...] = DEFAULT_MODES
     output_len: int = 64
     num_prompts: int = 32
     model: str = "builtin:small"
@@ -174,9 +179,12 @@ def bench_config(
 
 
 def cluster_config(cfg: SweepConfig, mode: str, log_dir: Path) -> ClusterConfig:
-    """The local cluster of a mode: 1 P + 1 D + router, or one monolithic instance."""
+    """The local cluster of a mode: 1 P + 1 D + router, one monolithic instance on every
+    core, or (mono1) one on the prefill instance's cores."""
+    mono = mode in ("monolithic", MONO1)
     return ClusterConfig(
-        kv_transfer=None if mode == "monolithic" else mode,  # type: ignore[arg-type]
+        kv_transfer=None if mono else mode,  # type: ignore[arg-type]
+        cores=prefill_cores() if mode == MONO1 else None,
         transport=cfg.transport,  # type: ignore[arg-type]
         model=cfg.model,
         port=None,
@@ -220,6 +228,13 @@ def warm_up(cfg: SweepConfig, base_url: str) -> None:
             raise EndpointError(f"warm-up at input {input_len} failed: {result.errors[0]}")
 
 
+def prefill_cores() -> tuple[int, ...] | None:
+    """The cores the launcher gives the prefill instance of a 1P1D cluster; None when it
+    would not pin (fewer than 2 cores)."""
+    shares = assign_cores(2, sorted(os.sched_getaffinity(0)))
+    return shares[0] if shares else None
+
+
 def prefill_capacity(cfg: SweepConfig) -> PrefillCapacity | None:
     """Given or measured capacity; None when neither (no utilisation column).
 
@@ -229,8 +244,7 @@ def prefill_capacity(cfg: SweepConfig) -> PrefillCapacity | None:
         return PrefillCapacity(model=cfg.model, threads=0, tok_s=dict(cfg.prefill_tok_s))
     if not cfg.calibrate:
         return None
-    shares = assign_cores(2, sorted(os.sched_getaffinity(0)))
-    cores = shares[0] if shares else None
+    cores = prefill_cores()
     threads = len(cores) if cores else 1
     return measure_prefill_capacity(cfg.model, cfg.input_lens, threads=threads, cores=cores)
 
@@ -436,15 +450,62 @@ def _len_tok_s(item: str) -> tuple[int, float]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of `pdserve bench sweep`; everything after `--` goes to every local instance."""
     grid = parser.add_argument_group("grid")
-    grid.add_argument("--input-len", type=int, nargs="+", default=list(DEFAULT_INPUT_LENS))
-    grid.add_argument("--request-rate", type=float, nargs="+", default=list(DEFAULT_RATES))
-    grid.add_argument("--modes", nargs="+", default=list(LOCAL_MODES), metavar="MODE")
-    grid.add_argument("--output-len", type=int, default=64)
-    grid.add_argument("--num-prompts", type=int, default=32, help="per point")
-    grid.add_argument("--burstiness", type=float, default=1.0, help="gamma shape; 1: Poisson")
-    grid.add_argument("--seed", type=int, default=0)
-    grid.add_argument("--num-warmups", type=int, default=1, help="per point, not measured")
-    grid.add_argument("--request-timeout", type=float, default=300.0, metavar="S")
+    grid.add_argument(
+        "--input-len",
+        type=int,
+        nargs="+",
+        default=list(DEFAULT_INPUT_LENS),
+        metavar="TOKENS",
+        help="prompt lengths of the grid, random tokens (default: %(default)s)",
+    )
+    grid.add_argument(
+        "--request-rate",
+        type=float,
+        nargs="+",
+        default=list(DEFAULT_RATES),
+        metavar="REQ_S",
+        help="mean arrival rates of the grid, req/s (default: %(default)s)",
+    )
+    grid.add_argument(
+        "--modes",
+        nargs="+",
+        default=list(DEFAULT_MODES),
+        metavar="MODE",
+        help="clusters to compare: pull, push (1P1D + router), monolithic (one instance on "
+        "every core), mono1 (one instance on P's core only: the light-load TTFT floor), or "
+        "any name given a --base-url (default: %(default)s)",
+    )
+    grid.add_argument(
+        "--output-len", type=int, default=64, metavar="TOKENS", help="(default: %(default)s)"
+    )
+    grid.add_argument(
+        "--num-prompts", type=int, default=32, help="requests per point (default: %(default)s)"
+    )
+    grid.add_argument(
+        "--burstiness",
+        type=float,
+        default=1.0,
+        help="gamma shape of the inter-arrival times; 1: Poisson (default: %(default)s)",
+    )
+    grid.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="prompts and arrivals; every mode gets the same ones (default: %(default)s)",
+    )
+    grid.add_argument(
+        "--num-warmups",
+        type=int,
+        default=1,
+        help="requests per point before the measured ones (default: %(default)s)",
+    )
+    grid.add_argument(
+        "--request-timeout",
+        type=float,
+        default=300.0,
+        metavar="S",
+        help="a request still unanswered after S seconds counts as failed (default: %(default)s)",
+    )
     grid.add_argument(
         "--interleave",
         action="store_true",
@@ -453,8 +514,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
     where = parser.add_argument_group("endpoints")
-    where.add_argument("--model", default="builtin:small", help="for local clusters")
-    where.add_argument("--transport", choices=("tcp", "nixl"), default="tcp")
+    where.add_argument(
+        "--model",
+        default="builtin:small",
+        help="of the local clusters: builtin:tiny|small or a checkpoint directory "
+        "(default: %(default)s)",
+    )
+    where.add_argument(
+        "--transport",
+        choices=("tcp", "nixl"),
+        default="tcp",
+        help="KV transport of the local P/D clusters (default: %(default)s)",
+    )
     where.add_argument(
         "--base-url",
         nargs="+",

@@ -3,7 +3,8 @@
 `sweep.md` is the sweep's own table: one row per point of the grid, failed ones included,
 ordered so that the modes of one (input length, rate) point sit on adjacent rows, with the
 prefill utilisation of the point as a column; then the push / pull ratio table of
-`pdserve.bench.report`, the points that could not run, and links to the plots.
+`pdserve.bench.report`, push over each monolithic floor that ran (`mono1`, `monolithic`:
+TTFT and TPOT ratios), the points that could not run, and links to the plots.
 `report.write_report` draws the plots (and its own `report.md`) from the same results.
 """
 
@@ -142,12 +143,22 @@ def _capacity_line(manifest: SweepManifest) -> str:
     )
 
 
+_FLOORS = {
+    "mono1": "one instance with P's compute alone",
+    "monolithic": "one instance on every core",
+}
+
+
 def summary_text(manifest: SweepManifest, results: Sequence[BenchResult]) -> str:
     """The sweep table, the push/pull ratios and the failed points, as Markdown."""
     parts = [_capacity_line(manifest), sweep_table(manifest, results)]
     ratios = report.ratio_table(results)
     if ratios:
         parts.append("push / pull (below 1: push is faster)\n\n" + ratios)
+    for floor in ("mono1", "monolithic"):
+        ratios = report.ratio_table(results, "push", floor, report.RATIO_METRICS)
+        if ratios:
+            parts.append(f"push / {floor} (the P/D cost over {_FLOORS[floor]})\n\n" + ratios)
     failed = failed_points(manifest)
     if failed:
         parts.append("Points that could not run:\n\n" + "\n".join(f"- {f}" for f in failed))
