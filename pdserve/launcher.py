@@ -101,6 +101,7 @@ class ClusterConfig:
     cluster_token: str | None = None  # None: $PDSERVE_CLUSTER_TOKEN, else a random one
     request_timeout_s: float | None = None  # the router's; None: its default
     local_prefill_below: int | None = None  # the router's; None: its default (64)
+    router_log_level: str | None = None  # the router's; None: its default (info)
     log_dir: Path | None = None  # None: a new temporary directory
     instance_args: tuple[str, ...] = ()  # appended to every instance's command line
     pin_cores: bool = True
@@ -456,6 +457,8 @@ class Cluster:
             cmd += ["--request-timeout", str(c.request_timeout_s)]
         if c.local_prefill_below is not None:
             cmd += ["--local-prefill-below", str(c.local_prefill_below)]
+        if c.router_log_level is not None:
+            cmd += ["--log-level", c.router_log_level]
         url = f"http://{_connect_host(c.host)}:{port}"
         cores = self._prefill_cores()
         proc = self._spawn("router", "router", cmd, self._child_env(threads=None), url, cores)
@@ -600,6 +603,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--request-timeout", type=float, metavar="S", help="the router's")
     parser.add_argument(
+        "--router-log-level",
+        choices=("critical", "error", "warning", "info", "debug"),
+        help="the router's (default: info); debug logs its per-request handoff trace "
+        "(pdserve.transfer.hoptrace), like '-- --log-level debug' does for the instances",
+    )
+    parser.add_argument(
         "--log-dir", type=Path, help="one log file per process (default: a temp dir)"
     )
     parser.add_argument("--no-pin", action="store_true", help="do not pin instances to cores")
@@ -644,6 +653,7 @@ def config_from_args(args: argparse.Namespace) -> ClusterConfig:
         cluster_token=args.cluster_token or None,
         request_timeout_s=args.request_timeout,
         local_prefill_below=args.local_prefill_below,
+        router_log_level=args.router_log_level,
         log_dir=args.log_dir,
         instance_args=tuple(extra),
         pin_cores=not args.no_pin,

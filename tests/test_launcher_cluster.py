@@ -96,6 +96,10 @@ def test_up_arguments_map_to_config() -> None:
     )
     assert (routed.policy, routed.local_prefill_below) == ("load_aware", 64)
     assert config_from_args(parser.parse_args(["--monolithic"])).local_prefill_below is None
+    traced = config_from_args(
+        parser.parse_args(["--kv-transfer", "push", "--router-log-level", "debug"])
+    )
+    assert traced.router_log_level == "debug"
     with pytest.raises(SystemExit):
         parser.parse_args(["--kv-transfer", "push", "--policy", "fastest"])
 

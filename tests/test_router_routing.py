@@ -71,6 +71,8 @@ def test_text_prompts_are_measured_by_a_decode_instance() -> None:
         assert _post(r, {"prompt": "short", "max_tokens": 2}).status_code == 200
         assert (len(p.received), d.tokenized) == (0, 1)
         assert _post(r, {"prompt": "a much longer prompt", "max_tokens": 2}).status_code == 200
+        # push: the P leg goes out beside D's, so D's stream can end before P has logged it
+        wait_for(lambda: len(p.received) == 1)
         assert (len(p.received), d.tokenized) == (1, 2)
 
 
@@ -81,6 +83,7 @@ def test_no_tokenize_round_trip_when_local_prefill_is_off() -> None:
         running_router([p], [d], "push") as r,
     ):
         assert _post(r, {"prompt": "short", "max_tokens": 2}).status_code == 200
+        wait_for(lambda: len(p.received) == 1)  # P's leg may trail D's short stream
     assert (len(p.received), d.tokenized) == (1, 0)
 
 
@@ -92,6 +95,7 @@ def test_no_tokenize_round_trip_for_a_text_far_above_the_threshold() -> None:
     ):
         long_text = "word " * (10 * BYTES_PER_TOKEN_CEILING // 5)  # 160 bytes: >= 10 x 16
         assert _post(r, {"prompt": long_text, "max_tokens": 2}).status_code == 200
+        wait_for(lambda: len(p.received) == 1)  # P's leg may trail D's short stream
         assert (len(p.received), d.tokenized) == (1, 0)  # disaggregated without asking D
         assert _post(r, {"prompt": long_text[:-1], "max_tokens": 2}).status_code == 200
         assert d.tokenized == 1  # one byte shorter: D is asked

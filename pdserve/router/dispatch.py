@@ -60,7 +60,7 @@ from fastapi.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from pdserve.router.config import RouterConfig
-from pdserve.router.ejection import InstanceEjected, race_ejection, until_ejected
+from pdserve.router.ejection import InstanceEjected, StreamWatch, until_ejected
 from pdserve.router.health import EJECTED_REASON, Instance, InstancePool, Leg, Role
 from pdserve.router.load_model import Demand
 from pdserve.router.metrics import RouterMetrics
@@ -175,6 +175,7 @@ class Dispatcher:
     async def dispatch(self, call: Call) -> Response:
         """The response for the client: D's stream or body, or an OpenAI-style JSON error."""
         mode: str = self._config.kv_transfer
+        hop(call.request_id, "r.received")
         try:
             demand, exact = await self._demand(call)
             if exact and demand.prompt_tokens < self._config.local_prefill_below:
@@ -526,14 +527,11 @@ class DecodeRelay:
         outcome = "client_disconnect"  # what a cancellation or early close means
         hop("relay", "r.chunks_start")
         ejected = asyncio.ensure_future(self._leg.ejected.wait())
+        assert self._start.chunks is not None
+        watch = StreamWatch(self._start.chunks, ejected, self._ejected_grace_s)
         whole = self._whole
         try:
-            assert self._start.chunks is not None
-            while (
-                chunk := await race_ejection(
-                    _next_chunk(self._start.chunks), ejected, self._ejected_grace_s
-                )
-            ) is not None:
+            while (chunk := await watch.next()) is not None:
                 if out := whole.feed(self._annotated(chunk)):
                     yield out
             tail = self._annotator.flush() if self._annotator is not None else b""
@@ -545,6 +543,7 @@ class DecodeRelay:
             outcome = "ejected" if isinstance(exc, InstanceEjected) else "stream_error"
             yield data_event_bytes(msgspec.json.encode(self._on_error(exc).body()))
         finally:
+            watch.close()
             ejected.cancel()
             await self.close(outcome)
 
@@ -635,11 +634,6 @@ async def _read_until_started(chunks: AsyncIterator[bytes]) -> bytes:
         if detector.feed(chunk):
             break
     return b"".join(held)
-
-
-async def _next_chunk(chunks: AsyncIterator[bytes]) -> bytes | None:
-    """The next chunk, or None at the end of the stream."""
-    return await anext(chunks, None)
 
 
 def _prefill_done_time(p_task: asyncio.Task[PrefillResult]) -> float | None:
