@@ -87,9 +87,9 @@ def hops(log_dir: Path) -> dict[str, list]:
 def first_after(items: list, t: float, proc: str | None = None, key: str | None = None):
     best = None
     for ht, hk, hp in items:
-        if ht >= t and (proc is None or hp == proc) and (key is None or hk == key):
-            if best is None or ht < best[0]:
-                best = (ht, hk, hp)
+        ok = ht >= t and (proc is None or hp == proc) and (key is None or hk == key)
+        if ok and (best is None or ht < best[0]):
+            best = (ht, hk, hp)
     return best
 
 
@@ -152,7 +152,7 @@ def main() -> None:
     try:
         for m, (popen, _) in clusters.items():
             wait_up(m, a, popen)
-        for m, (_, url) in clusters.items():
+        for _, url in clusters.values():
             bench(url, a, 3, 999, None)  # warm-up
         for rnd in range(1, a.rounds + 1):
             for m in a.modes if rnd % 2 else a.modes[::-1]:
@@ -184,13 +184,18 @@ def report(a: argparse.Namespace) -> None:
         lines.append(f"| all | {m} | " + " | ".join(cells) + f" | {len(rows)} |")
     if "mono1" in a.modes:
         lines.append("")
-        lines.append("TTFT p50 over mono1's, per round: " + "; ".join(
-            f"r{r} " + ", ".join(
-                f"{m} {per_round[(r, m)] / per_round[(r, 'mono1')]:.2f}"
-                for m in a.modes if m != "mono1"
+        lines.append(
+            "TTFT p50 over mono1's, per round: "
+            + "; ".join(
+                f"r{r} "
+                + ", ".join(
+                    f"{m} {per_round[(r, m)] / per_round[(r, 'mono1')]:.2f}"
+                    for m in a.modes
+                    if m != "mono1"
+                )
+                for r in range(1, a.rounds + 1)
             )
-            for r in range(1, a.rounds + 1)
-        ))
+        )
     text = "\n".join(lines)
     (a.out / "report.md").write_text(text + "\n")
     print(text)

@@ -118,9 +118,7 @@ def measure(variant: str, rnd: int, a: argparse.Namespace) -> dict:
         busy = per_thread(s1[role], s2[role], names[role])
         dur = res.get("duration") or 0.0
         # per request: run CPU minus what the idle cluster would have used in that time
-        row[role] = {
-            k: round((busy[k] - idle.get(k, 0) * dur / idle_s) / n / 1e6, 2) for k in busy
-        }
+        row[role] = {k: round((busy[k] - idle.get(k, 0) * dur / idle_s) / n / 1e6, 2) for k in busy}
     return row
 
 
@@ -155,8 +153,10 @@ def main() -> None:
             cells = "  ".join(f"{k}={v}" for k, v in top)
             print(f"r{row['round']} {row['variant']:11s} total={total:.1f}  {cells}")
     for row in rows:
-        print(f"r{row['round']} {row['variant']:11s} TTFT p50 {row['ttft']:.1f}  "
-              f"handoff p50 {row['handoff']}")
+        print(
+            f"r{row['round']} {row['variant']:11s} TTFT p50 {row['ttft']:.1f}  "
+            f"handoff p50 {row['handoff']}"
+        )
 
 
 if __name__ == "__main__":

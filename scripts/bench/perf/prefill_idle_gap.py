@@ -41,7 +41,8 @@ def main() -> None:
     for _ in range(3):
         prefill_tps(engine, a.input_len, rng)
     gap = a.gap_ms / 1000
-    spin = [sys.executable, "-c", f"import time\nt=time.perf_counter()+{gap}\nwhile time.perf_counter()<t: pass"]
+    busy = f"import time\nt = time.perf_counter() + {gap}\nwhile time.perf_counter() < t: pass"
+    spin = [sys.executable, "-c", busy]
     times: dict[str, list[float]] = {"back-to-back": [], "sleep": [], "other process": []}
     for _ in range(a.repeats):
         for kind in times:
@@ -51,8 +52,10 @@ def main() -> None:
                 subprocess.run(spin, check=True)  # inherits this core
             times[kind].append(a.input_len / prefill_tps(engine, a.input_len, rng) * 1000)
     for kind, ms in times.items():
-        print(f"{kind:14s} prefill ms p50 {statistics.median(ms):7.1f}  min {min(ms):7.1f}  "
-              f"max {max(ms):7.1f}")
+        print(
+            f"{kind:14s} prefill ms p50 {statistics.median(ms):7.1f}  min {min(ms):7.1f}  "
+            f"max {max(ms):7.1f}"
+        )
 
 
 if __name__ == "__main__":
