@@ -172,6 +172,9 @@ def test_random_run_counts_and_timing(base_url: str) -> None:
     assert r.generated_texts[0] == "t0 t1 t2 t3 t4 t5 "
     assert r.errors == [None] * 8
     assert all(s >= a for s, a in zip(r.start_times, r.arrival_times, strict=True))
+    if Path("/proc/stat").exists():  # the host's CPU shares over the run (bench.hostcpu)
+        assert r.host_cpu_busy is not None and r.host_cpu_steal is not None
+        assert 0.0 <= r.host_cpu_steal <= 1.0 and -0.01 <= r.host_cpu_busy <= 1.0
 
 
 def test_failures_are_counted_not_raised(base_url: str, tmp_path: Path) -> None:

@@ -249,6 +249,10 @@ class BenchResult(BenchMetrics, kw_only=True):
     handoffs: list[float | None] = msgspec.field(default_factory=list)
     generated_texts: list[str] = msgspec.field(default_factory=list)
     errors: list[str | None] = msgspec.field(default_factory=list)
+    # Shares of all the host's CPU time during the measured requests (pdserve.bench.hostcpu):
+    # busy with this machine's work, and stolen by the hypervisor; None where unknown.
+    host_cpu_busy: float | None = None
+    host_cpu_steal: float | None = None
 
     @property
     def rate(self) -> float:

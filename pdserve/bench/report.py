@@ -91,6 +91,12 @@ def _failure_lines(result: BenchResult, limit: int = 5) -> list[str]:
     return lines
 
 
+def _host_cpu(result: BenchResult) -> str:
+    if result.host_cpu_busy is None or result.host_cpu_steal is None:
+        return "-"
+    return f"{result.host_cpu_busy * 100:.0f} / {result.host_cpu_steal * 100:.0f}"
+
+
 def format_run(result: BenchResult) -> str:
     """vLLM-style summary block of one run."""
     timed_trace = result.dataset_name == "trace" and result.burstiness is None
@@ -109,6 +115,7 @@ def format_run(result: BenchResult) -> str:
         ("Peak output token throughput (tok/s):", f"{result.max_output_tokens_per_s:.2f}"),
         ("Peak concurrent requests:", f"{result.max_concurrent_requests}"),
         ("Total token throughput (tok/s):", f"{result.total_token_throughput:.2f}"),
+        ("Host CPU busy / stolen (%):", _host_cpu(result)),
     ]
     lines = [f"{' Serving Benchmark Result ':=^50}"]
     lines += [f"{name:<40} {value:<10}" for name, value in rows]

@@ -38,6 +38,7 @@ from pdserve.bench.dataset import (
     load_trace,
     sample_random,
 )
+from pdserve.bench.hostcpu import read_cpu_times, shares
 from pdserve.bench.metrics import (
     SLO_METRICS,
     BenchResult,
@@ -246,10 +247,13 @@ async def run_benchmark(cfg: BenchConfig) -> BenchResult:
         client = ClientConfig(url, model, cfg.ignore_eos, cfg.temperature, cfg.request_timeout_s)
         await _warm_up(http, client, cfg, warmup_rng)
         offsets = release_offsets(cfg, requests, arrival_rng)
+        cpu_before = read_cpu_times()
         clock = RunClock.start()
         records = await _dispatch(http, client, cfg, requests, offsets, clock)
         duration = clock.now()
-    return _result(cfg, model, requests, offsets, records, duration, clock)
+        busy, steal = shares(cpu_before, read_cpu_times())
+    result = _result(cfg, model, requests, offsets, records, duration, clock)
+    return msgspec.structs.replace(result, host_cpu_busy=busy, host_cpu_steal=steal)
 
 
 def _key_value(item: str) -> tuple[str, str]:
