@@ -34,6 +34,18 @@ def thread_cpu(pid: int) -> dict[str, float]:
     return out
 
 
+def run_ns(pid: int) -> dict[str, int]:
+    """Thread id -> nanoseconds on a CPU so far (schedstat field 1: exact, not tick-sampled;
+    threads that vanish while read are skipped)."""
+    out = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            out[tid] = int(Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()[0])
+        except OSError:
+            continue
+    return out
+
+
 def run_delay_s(pid: int) -> float:
     """Seconds the threads of `pid` sat runnable waiting for a CPU (schedstat field 2)."""
     total = 0

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import signal
 import subprocess
@@ -24,7 +23,7 @@ from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from procstat import thread_names
+from procstat import run_ns, thread_names
 
 from pdserve.ports import free_port
 
@@ -35,17 +34,6 @@ VARIANTS = {
     "pull": ("pull", ()),
     "push-whole": ("push", ("--no-push-layerwise",)),
 }
-
-
-def run_ns(pid: int) -> dict[str, int]:
-    """Thread id -> nanoseconds on a CPU so far (schedstat field 1: exact, not tick-sampled)."""
-    out = {}
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            out[tid] = int(Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()[0])
-        except OSError:
-            continue
-    return out
 
 
 def start(variant: str, out: Path, a: argparse.Namespace) -> tuple[subprocess.Popen, str]:

@@ -27,19 +27,16 @@ import httpx
 
 REPO = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(REPO / "tests"))
+sys.path.insert(0, str(REPO / "scripts/bench"))
+from procstat import run_ns as thread_run_ns  # noqa: E402
 from test_router_fake_instance import FakeInstance  # noqa: E402
 
 from pdserve.ports import free_port  # noqa: E402
 
 
 def run_ns(pid: int) -> int:
-    total = 0
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            total += int(Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()[0])
-        except OSError:
-            continue
-    return total
+    """Nanoseconds the router's threads have been on a CPU so far."""
+    return sum(thread_run_ns(pid).values())
 
 
 def user_sys_s(pid: int) -> tuple[float, float]:
