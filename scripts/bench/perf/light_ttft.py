@@ -10,7 +10,8 @@ into: client -> router (P/D) or instance (mono1), HTTP handler -> engine, engine
 prompt done (queue + prefill step), prompt done -> client's first token.
 
 usage: light_ttft.py OUTDIR [--modes push pull mono1] [--rounds 3] [--num-prompts 30]
-       [--input-len 1024] [--model builtin:small] [-- INSTANCE ARGS, e.g. --dtype bfloat16]
+       [--input-len 1024] [--model builtin:small] [--client-cpus 1]
+       [-- INSTANCE ARGS, e.g. --dtype bfloat16]
        (run under flock /work/notes/bench.lock)
 """
 
@@ -68,6 +69,8 @@ def bench(url: str, a: argparse.Namespace, n: int, seed: int, save: Path | None)
     cmd += ["--input-len", str(a.input_len), "--output-len", str(a.output_len)]
     cmd += ["--num-prompts", str(n), "--max-concurrency", "1", "--seed", str(seed)]
     cmd += ["--request-rate", "inf", "--num-warmups", "0"]
+    if a.client_cpus:
+        cmd += ["--cpus", a.client_cpus]
     if save is not None:
         cmd += ["--save-result", str(save)]
     subprocess.run(cmd, cwd=REPO, check=True, capture_output=True)
@@ -143,6 +146,7 @@ def main() -> None:
     ap.add_argument("--input-len", type=int, default=1024)
     ap.add_argument("--output-len", type=int, default=16)
     ap.add_argument("--model", default="builtin:small")
+    ap.add_argument("--client-cpus", help="pin the bench client (bench serve --cpus)")
     argv = sys.argv[1:]
     cut = argv.index("--") if "--" in argv else len(argv)
     a = ap.parse_args(argv[:cut])
