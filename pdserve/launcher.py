@@ -368,7 +368,7 @@ class Cluster:
         """Ports `instance_specs` takes: HTTP and side channel per P/D instance."""
         return len(self._roles()) * (1 if self.config.monolithic else 2)
 
-    def usable_cores(self) -> list[int]:
+    def _usable_cores(self) -> list[int]:
         """The cores shared out among the instances: the config's, else all this process may
         use. Raises ClusterError for a core this process may not use."""
         allowed = sorted(os.sched_getaffinity(0))
@@ -381,7 +381,7 @@ class Cluster:
     def _core_shares(self, count: int) -> list[tuple[int, ...]] | None:
         """Each instance's cores: equal disjoint shares when there are enough; else, with
         `cores` given, every instance on all of them (still inside what was asked for)."""
-        usable = self.usable_cores()
+        usable = self._usable_cores()
         shares = assign_cores(count, usable)
         if shares is None and self.config.cores is not None:
             shares = [tuple(usable)] * count

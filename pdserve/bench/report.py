@@ -91,10 +91,9 @@ def _failure_lines(result: BenchResult, limit: int = 5) -> list[str]:
     return lines
 
 
-def _host_cpu(result: BenchResult) -> str:
-    if result.host_cpu_busy is None or result.host_cpu_steal is None:
-        return "-"
-    return f"{result.host_cpu_busy * 100:.0f} / {result.host_cpu_steal * 100:.0f}"
+def percent(share: float | None) -> str:
+    """A share (0.123) as a whole percentage ("12%"), or "-" when unknown."""
+    return "-" if share is None else f"{share * 100:.0f}%"
 
 
 def format_run(result: BenchResult) -> str:
@@ -115,7 +114,10 @@ def format_run(result: BenchResult) -> str:
         ("Peak output token throughput (tok/s):", f"{result.max_output_tokens_per_s:.2f}"),
         ("Peak concurrent requests:", f"{result.max_concurrent_requests}"),
         ("Total token throughput (tok/s):", f"{result.total_token_throughput:.2f}"),
-        ("Host CPU busy / stolen (%):", _host_cpu(result)),
+        (
+            "Host CPU busy / stolen:",
+            f"{percent(result.host_cpu_busy)} / {percent(result.host_cpu_steal)}",
+        ),
     ]
     lines = [f"{' Serving Benchmark Result ':=^50}"]
     lines += [f"{name:<40} {value:<10}" for name, value in rows]

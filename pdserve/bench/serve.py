@@ -225,6 +225,7 @@ def _result(
     records: list[RequestRecord],
     duration: float,
     clock: RunClock,
+    host_cpu: tuple[float | None, float | None],
 ) -> BenchResult:
     return BenchResult(
         **msgspec.structs.asdict(compute_metrics(records, duration, dict(cfg.goodput))),
@@ -232,6 +233,8 @@ def _result(
         **result_header(
             cfg, requests, offsets, model=model, base_url=cfg.base_url, start_time_unix=clock.unix0
         ),
+        host_cpu_busy=host_cpu[0],
+        host_cpu_steal=host_cpu[1],
     )
 
 
@@ -251,9 +254,8 @@ async def run_benchmark(cfg: BenchConfig) -> BenchResult:
         clock = RunClock.start()
         records = await _dispatch(http, client, cfg, requests, offsets, clock)
         duration = clock.now()
-        busy, steal = shares(cpu_before, read_cpu_times())
-    result = _result(cfg, model, requests, offsets, records, duration, clock)
-    return msgspec.structs.replace(result, host_cpu_busy=busy, host_cpu_steal=steal)
+        host_cpu = shares(cpu_before, read_cpu_times())
+    return _result(cfg, model, requests, offsets, records, duration, clock, host_cpu)
 
 
 def _key_value(item: str) -> tuple[str, str]:

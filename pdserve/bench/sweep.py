@@ -57,11 +57,11 @@ from pdserve.bench.sweep_report import (
 )
 from pdserve.launcher import Cluster, ClusterConfig, ClusterError, assign_cores
 
-LOCAL_MODES = ("pull", "push", "monolithic", "mono1")
-DEFAULT_MODES = ("pull", "push", "monolithic")
 # mono1: one monolithic instance on the prefill instance's core(s) alone, so its TTFT has P's
 # compute and no transfer: the floor that issue 8's light-load TTFT target compares push with.
 MONO1 = "mono1"
+LOCAL_MODES = ("pull", "push", "monolithic", MONO1)
+DEFAULT_MODES = ("pull", "push", "monolithic")
 # builtin:small on one core: prefill from ~0.1 (1024 at 0.5 req/s) to ~6 (4096 at 4 req/s)
 DEFAULT_INPUT_LENS = (1024, 2048, 4096)
 DEFAULT_RATES = (0.5, 1.0, 2.0, 4.0)

@@ -100,12 +100,8 @@ def _row(point: PointOutcome, r: BenchResult | None) -> list[str]:
         *head, point.mode, f"{r.completed} / {r.failed}", _fmt(r.request_throughput, 2),
         _fmt(r.median_ttft_ms), _fmt(r.p99_ttft_ms), _fmt(r.median_tpot_ms, 2),
         _fmt(r.p99_tpot_ms, 2), _fmt(r.median_e2el_ms), _fmt(r.median_handoff_ms),
-        _fmt(r.p99_handoff_ms), _percent(r.host_cpu_steal),
+        _fmt(r.p99_handoff_ms), report.percent(r.host_cpu_steal),
     ]  # fmt: skip
-
-
-def _percent(share: float | None) -> str:
-    return "-" if share is None else f"{share * 100:.0f}%"
 
 
 def sweep_table(manifest: SweepManifest, results: Sequence[BenchResult]) -> str:

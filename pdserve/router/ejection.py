@@ -13,7 +13,7 @@ A relayed stream gets a grace period: an instance can be ejected only because it
 progress would turn a false ejection into lost requests. So a stream read is ended only
 when the instance has been ejected *and* then stays silent for `grace_s`.
 
-A stream's reads go through `StreamWatch`, not `race_ejection`: racing every chunk costs a
+A stream's reads go through `StreamWatch`, not `until_ejected`: racing every chunk costs a
 task and an `asyncio.wait` per token, which was a large part of the router's CPU per relayed
 token (docs/benchmarks.md, "Session 10"). The watch reads directly and only arms a timer once
 the instance is ejected; the timer cancels the read in progress if the stream stays silent.
@@ -32,30 +32,20 @@ class InstanceEjected(Exception):
     """The leg's instance was ejected by the health monitor while the leg waited on it."""
 
 
-async def until_ejected(work: Awaitable[T], ejected: asyncio.Event, grace_s: float = 0.0) -> T:
-    """`work`'s result, unless `ejected` is set and `work` is still pending `grace_s` later:
-    then `work` is cancelled (and waited for) and `InstanceEjected` raised. Cancelling the
-    caller cancels `work` too."""
+async def until_ejected(work: Awaitable[T], ejected: asyncio.Event) -> T:
+    """`work`'s result, unless `ejected` is set first: then `work` is cancelled (and waited
+    for) and `InstanceEjected` raised. Cancelling the caller cancels `work` too. (A relayed
+    stream, which gets a grace period, is read through `StreamWatch` instead.)"""
+    task = asyncio.ensure_future(work)
     waiter = asyncio.ensure_future(ejected.wait())
     try:
-        return await race_ejection(work, waiter, grace_s)
+        await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         waiter.cancel()
-
-
-async def race_ejection(work: Awaitable[T], waiter: asyncio.Future[Any], grace_s: float) -> T:
-    """Like `until_ejected`, with an ejection waiter the caller owns; the waiter is left
-    running."""
-    task = asyncio.ensure_future(work)
-    try:
-        await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
-        if not task.done() and grace_s > 0:
-            await asyncio.wait({task}, timeout=grace_s)
-    finally:
-        if not task.done():  # ejected and silent, or the caller was cancelled
+        if not task.done():  # ejected, or the caller was cancelled
             task.cancel()
             await asyncio.wait({task})
-    if task.cancelled() and waiter.done():
+    if task.cancelled() and ejected.is_set():
         raise InstanceEjected
     return task.result()
 
