@@ -14,7 +14,7 @@ from contextlib import AbstractContextManager, contextmanager
 
 import httpx
 import pytest
-from test_router_fake_instance import FakeInstance, running_router, wait_for
+from test_router_fake_instance import FakeInstance, ScriptedHealth, running_router, wait_for
 
 from pdserve.router.config import RouterConfig
 from pdserve.router.health import EJECTED_REASON, HealthMonitor, InstancePool
@@ -145,9 +145,6 @@ def test_each_admission_has_its_own_ejection_signal() -> None:
     the new admission's signal."""
     script = iter([200, 503, 503, 200])
 
-    def handler(request: httpx.Request) -> httpx.Response:
-        return httpx.Response(next(script) if request.url.path == "/health" else 404)
-
     async def run() -> None:
         config = RouterConfig(
             prefill_urls=("http://p",),
@@ -157,14 +154,13 @@ def test_each_admission_has_its_own_ejection_signal() -> None:
         )
         pool = InstancePool(config)
         (p,) = pool.by_role("prefill")
-        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
-            monitor = HealthMonitor(pool, client, config)
-            await monitor._check(p)
-            acquired = pool.acquire("prefill", Demand(1, 0))
-            assert acquired is not None
-            old_leg = acquired[1]
-            for _ in range(3):
-                await monitor._check(p)  # fail, fail (ejected), succeed (re-admitted)
+        monitor = HealthMonitor(pool, ScriptedHealth(script), config)  # type: ignore[arg-type]
+        await monitor._check(p)
+        acquired = pool.acquire("prefill", Demand(1, 0))
+        assert acquired is not None
+        old_leg = acquired[1]
+        for _ in range(3):
+            await monitor._check(p)  # fail, fail (ejected), succeed (re-admitted)
         assert p.admitted and old_leg.ejected.is_set() and not p.ejected.is_set()
         acquired = pool.acquire("prefill", Demand(1, 0))
         assert acquired is not None and not acquired[1].ejected.is_set()

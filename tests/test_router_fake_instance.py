@@ -30,6 +30,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pdserve.ports import free_port
+from pdserve.router.upstream import Answer
 
 MODEL = "fake-model"
 
@@ -303,6 +304,17 @@ def running_router(
         yield server.url
     finally:
         server.stop()
+
+
+class ScriptedHealth:
+    """Stands in for the router's `Upstream` in health-monitor tests: `/health` answers
+    the next status of `script`, any other GET (e.g. `/kv/info`) 404."""
+
+    def __init__(self, script: Iterator[int]) -> None:
+        self._script = script
+
+    async def get(self, url: str, *, timeout_s: float, headers: Any = None) -> Answer:
+        return Answer(next(self._script) if url.endswith("/health") else 404, b"")
 
 
 def wait_for(condition: Callable[[], object], timeout: float = 10.0) -> None:

@@ -7,7 +7,7 @@ import uuid
 
 import httpx
 import pytest
-from test_router_fake_instance import FakeInstance, running_router, wait_for
+from test_router_fake_instance import FakeInstance, ScriptedHealth, running_router, wait_for
 
 from pdserve.router.config import RouterConfig
 from pdserve.router.health import HealthMonitor, InstancePool
@@ -50,11 +50,6 @@ def test_ejection_needs_consecutive_failures() -> None:
     failure, ejected after the second in a row, re-admitted after one success."""
     script = iter([200, 503, 200, 503, 503, 503, 200])
 
-    def handler(request: httpx.Request) -> httpx.Response:
-        if request.url.path == "/health":
-            return httpx.Response(next(script))
-        return httpx.Response(404)  # no /kv/info: fine for a pull router
-
     async def rounds() -> list[bool]:
         config = RouterConfig(
             prefill_urls=("http://p",),
@@ -65,11 +60,10 @@ def test_ejection_needs_consecutive_failures() -> None:
         pool = InstancePool(config)
         (p,) = pool.by_role("prefill")
         seen = []
-        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
-            monitor = HealthMonitor(pool, client, config)
-            for _ in range(7):
-                await monitor._check(p)
-                seen.append(p.admitted)
+        monitor = HealthMonitor(pool, ScriptedHealth(script), config)  # type: ignore[arg-type]
+        for _ in range(7):
+            await monitor._check(p)
+            seen.append(p.admitted)
         return seen
 
     assert asyncio.run(rounds()) == [True, True, True, True, False, False, True]

@@ -10,7 +10,6 @@ import time
 from collections.abc import AsyncIterator
 from types import SimpleNamespace
 
-import httpx
 import pytest
 
 from pdserve.router.config import RouterConfig
@@ -29,6 +28,16 @@ async def _rest() -> AsyncIterator[bytes]:
         yield chunk
 
 
+class _Answer:
+    """D's answer as the relay sees it (`pdserve.router.upstream.StreamAnswer`)."""
+
+    status = 200
+    content_type = "text/event-stream"
+
+    def close(self) -> None:
+        pass
+
+
 class _Pool:
     def __init__(self) -> None:
         self.released = 0
@@ -38,7 +47,13 @@ class _Pool:
 
 
 def _relay(pool: _Pool) -> DecodeRelay:
-    start = DecodeStart(httpx.Response(200), time.monotonic(), FIRST, time.time(), _rest())
+    start = DecodeStart(
+        _Answer(),  # type: ignore[arg-type]
+        time.monotonic(),
+        FIRST,
+        time.time(),
+        _rest(),
+    )
     leg = SimpleNamespace(ejected=asyncio.Event())
     metrics = RouterMetrics(InstancePool(RouterConfig(("http://p:1",), ("http://d:1",), "push")))
     return DecodeRelay(pool, metrics, "push", lambda e: None, 1.0, object(), leg, start, None)

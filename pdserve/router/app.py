@@ -1,6 +1,6 @@
 """The router's FastAPI app: OpenAI-compatible front door of a P/D cluster.
 
-One app owns one pooled `httpx.AsyncClient` (opened and closed by its lifespan), the
+One app owns one pooled `Upstream` client (opened and closed by its lifespan), the
 instance pool, the health monitor's tasks and the metrics registry; nothing is global,
 so tests can run several routers in one process.
 
@@ -22,16 +22,15 @@ from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any
 
-import httpx
 import msgspec
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from pdserve.keepalive import client_limits
 from pdserve.router.config import RouterConfig
 from pdserve.router.dispatch import Call, Dispatcher, cancel_and_wait
 from pdserve.router.health import HealthMonitor, Instance, InstancePool
 from pdserve.router.metrics import RouterMetrics
+from pdserve.router.upstream import Answer, Upstream
 from pdserve.server.body_limit import BodySizeLimit
 from pdserve.server.errors import (
     APIError,
@@ -50,16 +49,12 @@ class RouterState:
     config: RouterConfig
     pool: InstancePool
     metrics: RouterMetrics
-    client: httpx.AsyncClient
+    upstream: Upstream
     dispatcher: Dispatcher
 
 
-def _client(config: RouterConfig) -> httpx.AsyncClient:
-    limits = client_limits(config.max_connections, config.max_keepalive_connections)
-    # trust_env=False: an HTTP(S)_PROXY in the environment must not capture loopback traffic.
-    return httpx.AsyncClient(
-        limits=limits, trust_env=False, timeout=httpx.Timeout(config.request_timeout_s)
-    )
+def _upstream(config: RouterConfig) -> Upstream:
+    return Upstream(config.request_timeout_s, config.connect_timeout_s, config.max_connections)
 
 
 def create_app(config: RouterConfig) -> FastAPI:
@@ -69,10 +64,10 @@ def create_app(config: RouterConfig) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        async with _client(config) as client:
-            dispatcher = Dispatcher(config, client, pool, metrics)
-            monitor = HealthMonitor(pool, client, config)
-            app.state.router = RouterState(config, pool, metrics, client, dispatcher)
+        async with _upstream(config) as upstream:
+            dispatcher = Dispatcher(config, upstream, pool, metrics)
+            monitor = HealthMonitor(pool, upstream, config)
+            app.state.router = RouterState(config, pool, metrics, upstream, dispatcher)
             await monitor.start()
             try:
                 yield
@@ -185,8 +180,8 @@ async def _models(state: RouterState) -> Response:
     headers = {"Authorization": f"Bearer {state.config.api_key}"} if state.config.api_key else {}
     answers = await asyncio.gather(
         *(
-            state.client.get(
-                f"{u}/v1/models", headers=headers, timeout=state.config.health_timeout_s
+            state.upstream.get(
+                f"{u}/v1/models", headers=headers, timeout_s=state.config.health_timeout_s
             )
             for u in urls
         ),
@@ -201,8 +196,8 @@ async def _models(state: RouterState) -> Response:
     return JSONResponse({"object": "list", "data": list(seen.values())})
 
 
-def _model_list(answer: httpx.Response | BaseException) -> list[dict[str, Any]]:
-    if not isinstance(answer, httpx.Response) or not answer.is_success:
+def _model_list(answer: Answer | BaseException) -> list[dict[str, Any]]:
+    if not isinstance(answer, Answer) or not answer.is_success:
         return []
     try:
         data = msgspec.json.decode(answer.content).get("data", [])

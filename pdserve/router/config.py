@@ -49,7 +49,6 @@ class RouterConfig:
     default_max_tokens: int = 256
     # HTTP/1.1 needs one connection per concurrent stream, so the pool must not be the limit.
     max_connections: int = 10_000
-    max_keepalive_connections: int = 1_000
     max_body_bytes: int = MAX_BODY_BYTES  # a larger client body gets a 413
 
     def __post_init__(self) -> None:

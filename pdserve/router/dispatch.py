@@ -54,7 +54,6 @@ from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 import anyio
-import httpx
 import msgspec
 from fastapi.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
@@ -72,6 +71,13 @@ from pdserve.router.prompt_size import (
     tokenized_count,
 )
 from pdserve.router.sse import CompleteEvents, EventAnnotator, StreamStartDetector
+from pdserve.router.upstream import (
+    StreamAnswer,
+    Upstream,
+    UpstreamConnectError,
+    UpstreamError,
+    UpstreamTimeout,
+)
 from pdserve.server.errors import APIError
 from pdserve.server.sse import data_event_bytes
 from pdserve.transfer.hoptrace import hop
@@ -108,7 +114,7 @@ class PrefillResult:
 class DecodeStart:
     """D's answer up to its first token. Owns `response` until handed to a relay."""
 
-    response: httpx.Response
+    response: StreamAnswer
     sent: float  # monotonic time the D leg was sent
     first_chunk: bytes  # D's bytes up to its first token; the whole body when not streaming
     first_token_unix: float
@@ -161,15 +167,14 @@ class Dispatcher:
     def __init__(
         self,
         config: RouterConfig,
-        client: httpx.AsyncClient,
+        upstream: Upstream,
         pool: InstancePool,
         metrics: RouterMetrics,
     ) -> None:
         self._config = config
-        self._client = client
+        self._upstream = upstream
         self._pool = pool
         self._metrics = metrics
-        self._timeout = httpx.Timeout(config.request_timeout_s, connect=config.connect_timeout_s)
         self._background: set[asyncio.Task[Any]] = set()  # P legs outliving their response
 
     async def dispatch(self, call: Call) -> Response:
@@ -216,7 +221,7 @@ class Dispatcher:
             return None
         d = min(candidates, key=lambda i: i.outstanding)
         return await tokenized_count(
-            self._client, d.url, call.body, self._headers(call), self._config.health_timeout_s
+            self._upstream, d.url, call.body, self._headers(call), self._config.health_timeout_s
         )
 
     async def _local(self, call: Call, demand: Demand) -> Response:
@@ -343,16 +348,11 @@ class Dispatcher:
         sent = time.monotonic()
         body = msgspec.json.encode(prefill_body(call.body, params))
         try:
-            r = await self._client.post(
-                f"{p.url}{call.path}",
-                content=body,
-                headers=self._headers(call),
-                timeout=self._timeout,
-            )
-        except httpx.HTTPError as exc:
+            r = await self._upstream.post(f"{p.url}{call.path}", body, self._headers(call))
+        except UpstreamError as exc:
             raise self._transport_error("prefill", p, exc) from None
         if not r.is_success:
-            raise self._status_error("prefill", p, r.status_code, r.content)
+            raise self._status_error("prefill", p, r.status, r.content)
         self._metrics.prefill_leg.observe(time.monotonic() - sent)
         hop(params["transfer_id"], "r.p_answer")
         params_back = _json_object(r.content).get("kv_transfer_params")
@@ -367,36 +367,31 @@ class Dispatcher:
         sent = time.monotonic()
         hop(call.request_id, "r.d_leg_sent")
         body = msgspec.json.encode(decode_body(call.body, params))
-        request = self._client.build_request(
-            "POST",
-            f"{d.url}{call.path}",
-            content=body,
-            headers=self._headers(call),
-            timeout=self._timeout,
-        )
         try:
-            response = await self._client.send(request, stream=True)
-        except httpx.HTTPError as exc:
+            response = await self._upstream.open_stream(
+                f"{d.url}{call.path}", body, self._headers(call)
+            )
+        except UpstreamError as exc:
             raise self._transport_error("decode", d, exc) from None
         try:
             return await self._read_start(d, response, sent, call.stream)
         except BaseException:
-            await close_quietly(response)
+            response.close()
             raise
 
     async def _read_start(
-        self, d: Instance, response: httpx.Response, sent: float, stream: bool
+        self, d: Instance, response: StreamAnswer, sent: float, stream: bool
     ) -> DecodeStart:
         try:
             if not response.is_success:
-                raise self._status_error("decode", d, response.status_code, await response.aread())
+                raise self._status_error("decode", d, response.status, await response.read())
             if not stream:
-                body = await response.aread()
+                body = await response.read()
                 self._metrics.decode_first_token.observe(time.monotonic() - sent)
                 return DecodeStart(response, sent, body, time.time(), None)
-            chunks = response.aiter_raw()
+            chunks = response.chunks()
             first = await _read_until_started(chunks)
-        except httpx.HTTPError as exc:
+        except UpstreamError as exc:
             raise self._transport_error("decode", d, exc) from None
         self._metrics.decode_first_token.observe(time.monotonic() - sent)
         return DecodeStart(response, sent, first, time.time(), chunks)
@@ -428,13 +423,13 @@ class Dispatcher:
             start,
             p_task,
         )
-        status = start.response.status_code
+        status = start.response.status
         headers = {"X-Request-Id": call.request_id}
         done_time = _prefill_done_time(p_task) if p_task is not None else prefill_done
         if done_time is not None:
             headers[PREFILL_DONE_HEADER] = f"{done_time:.6f}"
             relay.prefill_done_reported = True
-        media_type = start.response.headers.get("content-type")
+        media_type = start.response.content_type
         if start.chunks is None:
             relay.finish(str(status))
             return Response(start.first_chunk, status, headers, media_type)
@@ -449,18 +444,18 @@ class Dispatcher:
         return APIError(status, f"{leg} instance {inst.url} {what}")
 
     def _leg_failure(
-        self, leg: str, inst: Instance, exc: httpx.HTTPError | InstanceEjected
+        self, leg: str, inst: Instance, exc: UpstreamError | InstanceEjected
     ) -> APIError:
         """The error for a leg that failed on the wire or whose instance was ejected."""
         if isinstance(exc, InstanceEjected):
             return self._leg_error(leg, inst, "ejected", 502, EJECTED_REASON)
         return self._transport_error(leg, inst, exc)
 
-    def _transport_error(self, leg: str, inst: Instance, exc: httpx.HTTPError) -> APIError:
-        if isinstance(exc, httpx.TimeoutException):
+    def _transport_error(self, leg: str, inst: Instance, exc: UpstreamError) -> APIError:
+        if isinstance(exc, UpstreamTimeout):
             what = f"timed out ({type(exc).__name__}, limit {self._config.request_timeout_s:g} s)"
             return self._leg_error(leg, inst, "timeout", 504, what)
-        reason = "connect" if isinstance(exc, httpx.ConnectError) else "protocol"
+        reason = "connect" if isinstance(exc, UpstreamConnectError) else "protocol"
         return self._leg_error(leg, inst, reason, 502, f"failed: {type(exc).__name__}: {exc}")
 
     def _status_error(self, leg: str, inst: Instance, status: int, content: bytes) -> APIError:
@@ -494,7 +489,7 @@ class DecodeRelay:
         pool: InstancePool,
         metrics: RouterMetrics,
         mode: str,
-        on_error: Callable[[httpx.HTTPError | InstanceEjected], APIError],
+        on_error: Callable[[UpstreamError | InstanceEjected], APIError],
         ejected_grace_s: float,
         d: Instance,
         leg: Leg,
@@ -537,15 +532,15 @@ class DecodeRelay:
             tail = self._annotator.flush() if self._annotator is not None else b""
             if out := whole.feed(tail) + whole.flush():
                 yield out
-            outcome = str(self._start.response.status_code)
-        except (httpx.HTTPError, InstanceEjected) as exc:
+            outcome = str(self._start.response.status)
+        except (UpstreamError, InstanceEjected) as exc:
             # Half an event may be held in `whole`: dropped, so the error event stands alone.
             outcome = "ejected" if isinstance(exc, InstanceEjected) else "stream_error"
             yield data_event_bytes(msgspec.json.encode(self._on_error(exc).body()))
         finally:
             watch.close()
             ejected.cancel()
-            await self.close(outcome)
+            self.close(outcome)
 
     def _annotated(self, chunk: bytes) -> bytes:
         """`chunk`, with P's prefill-done time added to the next event once P has answered
@@ -557,11 +552,9 @@ class DecodeRelay:
                 self.prefill_done_reported = True
         return self._annotator.feed(chunk) if self._annotator is not None else chunk
 
-    async def close(self, outcome: str) -> None:
-        """Close D's response (aborting it on D if unfinished), then `finish`; idempotent,
-        and safe inside a cancelled scope."""
-        with anyio.CancelScope(shield=True):
-            await close_quietly(self._start.response)
+    def close(self, outcome: str) -> None:
+        """Close D's response (aborting it on D if unfinished), then `finish`; idempotent."""
+        self._start.response.close()
         self.finish(outcome)
 
     def finish(self, outcome: str) -> None:
@@ -603,7 +596,7 @@ class RelayStreamingResponse(StreamingResponse):
         finally:
             with anyio.CancelScope(shield=True):
                 await self._chunks.aclose()
-                await self._relay.close("client_disconnect")
+            self._relay.close("client_disconnect")
 
     async def _send_head(self, send: Send) -> None:
         start = {"type": "http.response.start", "status": self.status_code}
@@ -658,14 +651,6 @@ def _json_object(content: bytes) -> dict[str, Any]:
     except msgspec.DecodeError:
         return {}
     return value if isinstance(value, dict) else {}
-
-
-async def close_quietly(response: httpx.Response) -> None:
-    """Close an upstream response; closing an unfinished stream aborts it upstream."""
-    try:
-        await response.aclose()
-    except Exception as exc:  # closing a broken connection must not mask the real outcome
-        log.debug("closing upstream response: %s", exc)
 
 
 async def cancel_and_wait(*tasks: asyncio.Task[Any]) -> None:

@@ -32,12 +32,12 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-import httpx
 import msgspec
 
 from pdserve.router.config import RouterConfig
 from pdserve.router.load_model import Demand, mean_rate, prefill_finish_s
 from pdserve.router.policy import Policy, Role, make_policy
+from pdserve.router.upstream import Answer, Upstream, UpstreamError, UpstreamProtocolError
 from pdserve.server.load_report import LoadReport
 from pdserve.transfer.params import InstanceInfo
 
@@ -180,9 +180,9 @@ class InstancePool:
 class HealthMonitor:
     """Background tasks keeping `InstancePool` current; started and stopped by the app."""
 
-    def __init__(self, pool: InstancePool, client: httpx.AsyncClient, config: RouterConfig) -> None:
+    def __init__(self, pool: InstancePool, upstream: Upstream, config: RouterConfig) -> None:
         self._pool = pool
-        self._client = client
+        self._upstream = upstream
         self._config = config
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -247,10 +247,12 @@ class HealthMonitor:
 
     async def _probe(self, inst: Instance) -> bool:
         try:
-            r = await self._client.get(f"{inst.url}/health", timeout=self._config.health_timeout_s)
-        except httpx.HTTPError:
+            r = await self._upstream.get(
+                f"{inst.url}/health", timeout_s=self._config.health_timeout_s
+            )
+        except UpstreamError:
             return False
-        return r.status_code == 200
+        return r.status == 200
 
     def _wants_info(self, inst: Instance) -> bool:
         if inst.info_unsupported:
@@ -260,14 +262,15 @@ class HealthMonitor:
 
     async def _fetch_info(self, inst: Instance) -> None:
         try:
-            r = await self._client.get(f"{inst.url}/kv/info", timeout=self._config.health_timeout_s)
-            if r.status_code == 404:
+            r = await self._upstream.get(
+                f"{inst.url}/kv/info", timeout_s=self._config.health_timeout_s
+            )
+            if r.status == 404:
                 inst.info_unsupported = True
                 log.info("%s instance %s has no /kv/info", inst.role, inst.url)
                 return
-            r.raise_for_status()
-            info = msgspec.json.decode(r.content, type=InstanceInfo)
-        except (httpx.HTTPError, msgspec.DecodeError) as exc:
+            info = msgspec.json.decode(_success(r).content, type=InstanceInfo)
+        except (UpstreamError, msgspec.DecodeError) as exc:
             log.warning("cannot read /kv/info of %s: %s", inst.url, exc)
             return
         _log_identity_change(inst, info)
@@ -276,12 +279,20 @@ class HealthMonitor:
     async def _poll_load(self, inst: Instance) -> None:
         requested = time.monotonic()
         try:
-            r = await self._client.get(f"{inst.url}/load", timeout=self._config.health_timeout_s)
-            r.raise_for_status()
-            inst.load = msgspec.json.decode(r.content, type=LoadReport)
+            r = await self._upstream.get(
+                f"{inst.url}/load", timeout_s=self._config.health_timeout_s
+            )
+            inst.load = msgspec.json.decode(_success(r).content, type=LoadReport)
             inst.load_requested = requested
-        except (httpx.HTTPError, msgspec.DecodeError):
+        except (UpstreamError, msgspec.DecodeError):
             inst.load, inst.load_requested = None, 0.0
+
+
+def _success(answer: Answer) -> Answer:
+    """`answer` if its status is 2xx, else an `UpstreamError` naming the status."""
+    if not answer.is_success:
+        raise UpstreamProtocolError(f"HTTP {answer.status}")
+    return answer
 
 
 def _log_identity_change(inst: Instance, info: InstanceInfo) -> None:

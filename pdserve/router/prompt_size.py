@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from typing import Any
 
-import httpx
 import msgspec
 
+from pdserve.router.upstream import Upstream, UpstreamError
 from pdserve.server.load_report import TokenCount
 
 BYTES_PER_TOKEN_ESTIMATE = 4
@@ -71,7 +71,7 @@ def decode_tokens(body: dict[str, Any], path: str, default_chat: int) -> int:
 
 
 async def tokenized_count(
-    client: httpx.AsyncClient,
+    upstream: Upstream,
     url: str,
     body: dict[str, Any],
     headers: dict[str, str],
@@ -81,11 +81,11 @@ async def tokenized_count(
     (an error, a timeout, an instance without `/tokenize`): the caller then disaggregates
     and the instance that serves the request reports any real problem with it."""
     try:
-        r = await client.post(
-            f"{url}/tokenize", content=msgspec.json.encode(body), headers=headers, timeout=timeout
+        r = await upstream.post(
+            f"{url}/tokenize", msgspec.json.encode(body), headers, timeout_s=timeout
         )
         if not r.is_success:
             return None
         return msgspec.json.decode(r.content, type=TokenCount).count
-    except (httpx.HTTPError, msgspec.DecodeError):
+    except (UpstreamError, msgspec.DecodeError):
         return None

@@ -103,8 +103,6 @@ def main(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    # httpx logs every request at INFO: each health probe and leg would be a line.
-    logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.root.level))
     try:
         sock = bind_socket(config.host, config.port)
         sock.listen(LISTEN_BACKLOG)

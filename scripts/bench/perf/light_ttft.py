@@ -1,18 +1,26 @@
-"""Light-load TTFT of push vs pull vs mono1, one request at a time, with a per-hop split.
+"""Light-load TTFT of push vs pull vs mono1, one request at a time (or at a Poisson
+`--rate`), with a per-hop split.
 
 Issue 8's target: push TTFT median within 10% of the monolithic instance with P's compute
 (`mono1`: one instance on P's core). Every cluster is up for the whole run (`pdserve up`,
 P on core 0, D on core 1, router on core 0; mono1 on core 0); the modes take turns in
 palindromic order per round, each sending `--num-prompts` requests one at a time
-(`bench serve --max-concurrency 1`), the same prompts per round for every mode. Instances
+(`bench serve --max-concurrency 1`; with `--rate R`, Poisson arrivals at R req/s as the
+sweep sends them), the same prompts per round for every mode. Instances
 and the router log the handoff trace (`--log-level debug`), so each request's TTFT is cut
 into: client -> router (P/D) or instance (mono1), HTTP handler -> engine, engine ->
 prompt done (queue + prefill step), prompt done -> client's first token.
 
 usage: light_ttft.py OUTDIR [--modes push pull mono1] [--rounds 3] [--num-prompts 30]
-       [--input-len 1024] [--model builtin:small] [--client-cpus 1]
+       [--input-len 1024] [--output-len 16] [--rate R] [--model builtin:small]
+       [--client-cpus 1] [--baseline DIR]
        [-- INSTANCE ARGS, e.g. --dtype bfloat16]
        (run under flock /work/notes/bench.lock)
+
+`--baseline DIR` (a checkout of other code, e.g. `git worktree add DIR HEAD~1`) adds, for
+every P/D mode M, a mode `M@base`: the same cluster started from DIR's code (this
+checkout's venv), taking its turns in the same rounds, so that one run compares two
+versions under the same conditions.
 """
 
 from __future__ import annotations
@@ -41,15 +49,18 @@ MODES = {
 
 
 def start(mode: str, a: argparse.Namespace) -> tuple[subprocess.Popen, str]:
+    kind, _, base = mode.partition("@")
+    tree = a.baseline if base else REPO
     port = free_port()
     log = open(a.out / f"up-{mode}.log", "w")  # noqa: SIM115 - lives as long as the cluster
-    cmd = [PY, "-m", "pdserve", "up", *MODES[mode], "--model", a.model, "--port", str(port)]
+    cmd = [PY, "-m", "pdserve", "up", *MODES[kind], "--model", a.model, "--port", str(port)]
     cmd += ["--log-dir", str(a.out / f"logs-{mode}")]
     if mode != "mono1":
         cmd += ["--router-log-level", "debug", "--local-prefill-below", "0"]
-    extra = ["--no-push-layerwise"] if mode == "push-whole" else []
+    extra = ["--no-push-layerwise"] if kind == "push-whole" else []
     cmd += ["--", "--log-level", "debug", "--kv-cache-memory", "1", *extra, *a.instance_args]
-    return subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT), (
+    # `-m pdserve` imports the package from the working directory, before the venv's.
+    return subprocess.Popen(cmd, cwd=tree, stdout=log, stderr=subprocess.STDOUT), (
         f"http://127.0.0.1:{port}"
     )
 
@@ -67,8 +78,11 @@ def wait_up(mode: str, a: argparse.Namespace, popen: subprocess.Popen) -> None:
 def bench(url: str, a: argparse.Namespace, n: int, seed: int, save: Path | None) -> None:
     cmd = [PY, "-m", "pdserve", "bench", "serve", "--base-url", url, "--disable-tqdm"]
     cmd += ["--input-len", str(a.input_len), "--output-len", str(a.output_len)]
-    cmd += ["--num-prompts", str(n), "--max-concurrency", "1", "--seed", str(seed)]
-    cmd += ["--request-rate", "inf", "--num-warmups", "0"]
+    cmd += ["--num-prompts", str(n), "--seed", str(seed), "--num-warmups", "0"]
+    if a.rate is None or save is None:  # warm-ups go one at a time
+        cmd += ["--max-concurrency", "1", "--request-rate", "inf"]
+    else:
+        cmd += ["--request-rate", str(a.rate)]
     if a.client_cpus:
         cmd += ["--cpus", a.client_cpus]
     if save is not None:
@@ -145,13 +159,17 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=30)
     ap.add_argument("--input-len", type=int, default=1024)
     ap.add_argument("--output-len", type=int, default=16)
+    ap.add_argument("--rate", type=float, help="Poisson arrivals at this many req/s")
     ap.add_argument("--model", default="builtin:small")
     ap.add_argument("--client-cpus", help="pin the bench client (bench serve --cpus)")
+    ap.add_argument("--baseline", type=Path, help="also run every P/D mode from this checkout")
     argv = sys.argv[1:]
     cut = argv.index("--") if "--" in argv else len(argv)
     a = ap.parse_args(argv[:cut])
     a.instance_args = argv[cut + 1 :]
     a.out.mkdir(parents=True, exist_ok=True)
+    if a.baseline is not None:
+        a.modes += [f"{m}@base" for m in a.modes if m != "mono1"]
     clusters = {m: start(m, a) for m in a.modes}
     try:
         for m, (popen, _) in clusters.items():
@@ -171,7 +189,8 @@ def main() -> None:
 
 
 def report(a: argparse.Namespace) -> None:
-    lines = ["| round | mode | " + " | ".join(PARTS) + " | n |", "|" + "---|" * (len(PARTS) + 3)]
+    head = "| round | mode | " + " | ".join(PARTS) + " | n | steal |"
+    lines = [head, "|" + "---|" * (len(PARTS) + 4)]
     pooled: dict[str, list] = {}
     per_round: dict[tuple[int, str], float] = {}
     for m in a.modes:
@@ -182,10 +201,11 @@ def report(a: argparse.Namespace) -> None:
             pooled.setdefault(m, []).extend(rows)
             per_round[(rnd, m)] = res["median_ttft_ms"]
             cells = [med(rows, k) for k in PARTS]
-            lines.append(f"| {rnd} | {m} | " + " | ".join(cells) + f" | {len(rows)} |")
+            steal = f"{res.get('host_cpu_steal', float('nan')):.0%}"
+            lines.append(f"| {rnd} | {m} | " + " | ".join(cells) + f" | {len(rows)} | {steal} |")
     for m, rows in pooled.items():
         cells = [med(rows, k) for k in PARTS]
-        lines.append(f"| all | {m} | " + " | ".join(cells) + f" | {len(rows)} |")
+        lines.append(f"| all | {m} | " + " | ".join(cells) + f" | {len(rows)} | |")
     if "mono1" in a.modes:
         lines.append("")
         lines.append(
