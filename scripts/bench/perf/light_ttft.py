@@ -167,6 +167,7 @@ def main() -> None:
     cut = argv.index("--") if "--" in argv else len(argv)
     a = ap.parse_args(argv[:cut])
     a.instance_args = argv[cut + 1 :]
+    a.out = a.out.resolve()  # the baseline's clusters run in another directory
     a.out.mkdir(parents=True, exist_ok=True)
     if a.baseline is not None:
         a.modes += [f"{m}@base" for m in a.modes if m != "mono1"]
