@@ -2,12 +2,12 @@
 `--rate`), with a per-hop split.
 
 Issue 8's target: push TTFT median within 10% of the monolithic instance with P's compute
-(`mono1`: one instance on P's core). Every cluster is up for the whole run (`pdserve up`,
-P on core 0, D on core 1, router on core 0; mono1 on core 0); the modes take turns in
-palindromic order per round, each sending `--num-prompts` requests one at a time
-(`bench serve --max-concurrency 1`; with `--rate R`, Poisson arrivals at R req/s as the
-sweep sends them), the same prompts per round for every mode. Instances
-and the router log the handoff trace (`--log-level debug`), so each request's TTFT is cut
+(`mono1`: one instance on P's core). Every cluster is up for the whole run (`pdserve up`:
+P on core 0, D on core 1, the router on core 0, or on core 1 in `push-routerD`; mono1 on
+core 0); the modes take turns in palindromic order per round, each sending `--num-prompts`
+requests one at a time (`bench serve --max-concurrency 1`; with `--rate R`, Poisson
+arrivals at R req/s as the sweep sends them), the same prompts per round for every mode.
+Instances and the router log the handoff trace (`--log-level debug`), so each request's TTFT is cut
 into: client -> router (P/D) or instance (mono1), HTTP handler -> engine, engine ->
 prompt done (queue + prefill step), prompt done -> client's first token.
 
@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
 import signal
 import statistics
 import subprocess
@@ -44,6 +46,7 @@ MODES = {
     "push": ["--kv-transfer", "push"],
     "pull": ["--kv-transfer", "pull"],
     "push-whole": ["--kv-transfer", "push"],
+    "push-routerD": ["--kv-transfer", "push"],  # then the router is moved to D's core
     "mono1": ["--monolithic", "--cores", "0"],
 }
 
@@ -67,12 +70,22 @@ def start(mode: str, a: argparse.Namespace) -> tuple[subprocess.Popen, str]:
 
 def wait_up(mode: str, a: argparse.Namespace, popen: subprocess.Popen) -> None:
     for _ in range(300):
-        if "Ctrl-C stops" in (a.out / f"up-{mode}.log").read_text():
+        if "Ctrl-C stops" in (text := (a.out / f"up-{mode}.log").read_text()):
+            if mode.startswith("push-routerD"):
+                move_router(text, core=1)
             return
         if popen.poll() is not None:
             raise RuntimeError(f"{mode} cluster exited; see up-{mode}.log")
         time.sleep(1)
     raise RuntimeError(f"{mode} cluster not up in 300 s")
+
+
+def move_router(up_log: str, core: int) -> None:
+    """Pin every thread of the cluster's router (its pid from `pdserve up`'s table) to
+    `core`, D's, instead of P's where `pdserve up` put it."""
+    pid = int(re.search(r"^  router .* pid (\d+)", up_log, re.M).group(1))  # type: ignore[union-attr]
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        os.sched_setaffinity(int(task.name), {core})
 
 
 def bench(url: str, a: argparse.Namespace, n: int, seed: int, save: Path | None) -> None:
