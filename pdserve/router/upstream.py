@@ -90,7 +90,9 @@ class Upstream:
     """One pooled client for all of a router's requests to its instances; used only on
     the router's event loop. `async with` opens and closes it."""
 
-    def __init__(self, request_timeout_s: float, connect_timeout_s: float, max_connections: int):
+    def __init__(
+        self, request_timeout_s: float, connect_timeout_s: float, max_connections: int
+    ) -> None:
         self._leg_timeout = aiohttp.ClientTimeout(
             sock_connect=connect_timeout_s, sock_read=request_timeout_s
         )
