@@ -19,7 +19,7 @@ if TYPE_CHECKING:  # the servers import this module too, and need no HTTP client
     import httpx
 
 SERVER_KEEPALIVE_S = 30.0  # uvicorn `timeout_keep_alive` of every pdserve server
-CLIENT_KEEPALIVE_S = 4.0  # keep-alive expiry of every pdserve client (httpx; the router's aiohttp)
+CLIENT_KEEPALIVE_S = 4.0  # keep-alive expiry of every pdserve client (aiohttp or httpx)
 
 
 def client_limits(

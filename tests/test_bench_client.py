@@ -296,25 +296,26 @@ def test_cli_reports_bad_trace(tmp_path: Path, capsys: pytest.CaptureFixture) ->
 # --- the stream parser alone -------------------------------------------------------------
 
 
-def _feed(timer: StreamTimer, events: list[tuple[float, str]]) -> None:
-    for now, line in events:
-        timer.feed_line(line, now)
+def _feed(timer: StreamTimer, chunks: list[tuple[float, str]]) -> None:
+    for now, text in chunks:
+        timer.feed(text.encode(), now)
 
 
 def test_stream_timer_exact_timings() -> None:
     clock = RunClock(perf0=0.0, unix0=1000.0)
     timer = StreamTimer(sent_at=1.0)
     pd = json.dumps({"choices": [], "pdserve": {"prefill_done": 1001.1}})
+    first = _chunk("a")
     _feed(
         timer,
         [
-            (1.1, ": ping"),
-            (1.2, _chunk("a").strip()),
-            (1.2, ""),
-            (1.25, _chunk("", "length").strip()),  # a token with no text yet counts
-            (1.3, f"data: {pd}"),  # no choices: not a token
-            (1.3, _chunk(None, usage={"prompt_tokens": 7, "completion_tokens": 2}).strip()),
-            (1.31, "data: [DONE]"),
+            (1.1, ": ping\n\n"),
+            (1.15, first[:20]),  # a token's time is when its event is complete
+            (1.2, first[20:]),
+            (1.25, _chunk("", "length")),  # a token with no text yet counts
+            (1.3, f"data: {pd}\n\n"),  # no choices: not a token
+            (1.3, _chunk(None, usage={"prompt_tokens": 7, "completion_tokens": 2})),
+            (1.31, "data: [DONE]\n\n"),
         ],
     )
     rec = timer.record(BenchRequest(prompt="x", prompt_len=None, output_len=2), 0.9, clock)
@@ -329,9 +330,17 @@ def test_stream_timer_exact_timings() -> None:
 
 def test_stream_timer_counts_chunks_without_usage() -> None:
     timer = StreamTimer(sent_at=0.0)
-    _feed(timer, [(0.1, _chunk("a").strip()), (0.2, _chunk("").strip()), (0.3, "data: [DONE]")])
+    _feed(timer, [(0.1, _chunk("a")), (0.2, _chunk("")), (0.3, "data: [DONE]\n\n")])
     rec = timer.record(BenchRequest(prompt=[1, 2], prompt_len=2, output_len=2), 0.0, RunClock(0, 0))
     assert (rec.output_len, rec.prompt_len, rec.generated_text) == (2, 2, "a")
+
+
+def test_stream_timer_drops_an_event_cut_before_its_end() -> None:
+    timer = StreamTimer(sent_at=0.0)
+    _feed(timer, [(0.1, _chunk("a")), (0.2, "data: [DONE]")])  # no blank line: cut
+    timer.end(0.3)
+    with pytest.raises(StreamError, match="before \\[DONE\\]"):
+        timer.record(BenchRequest(prompt="x", prompt_len=1, output_len=1), 0.0, RunClock(0, 0))
 
 
 def test_stream_timer_errors() -> None:
@@ -339,10 +348,10 @@ def test_stream_timer_errors() -> None:
     with pytest.raises(StreamError, match="without any token"):
         StreamTimer(0.0).record(req, 0.0, RunClock(0, 0))
     with pytest.raises(StreamError, match="engine died"):
-        StreamTimer(0.0).feed_line('data: {"error": "engine died"}', 0.1)
+        StreamTimer(0.0).feed_data('{"error": "engine died"}', 0.1)
     with pytest.raises(StreamError, match=r"malformed data line .*'\{broken'"):
-        StreamTimer(0.0).feed_line("data: {broken", 0.1)
+        StreamTimer(0.0).feed(b"data: {broken\n\n", 0.1)
     cut = _chunk("x" * 300).strip()[:-20]  # a long line cut short: both ends are quoted
     with pytest.raises(StreamError, match=r"truncated.*\.\.\..*\(\d+ chars\)") as info:
-        StreamTimer(0.0).feed_line(cut, 0.1)
+        StreamTimer(0.0).feed(f"{cut}\n\n".encode(), 0.1)
     assert "\n" not in str(info.value) and cut[-30:] in str(info.value)

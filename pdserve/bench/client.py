@@ -3,8 +3,13 @@
 `send_request` posts a `BenchRequest` with `stream: true`, reads the server-sent events as
 they arrive and returns a `RequestRecord`; it never raises for a server or network fault
 (HTTP errors, broken or truncated streams, error events, timeouts): those come back as a
-failed record with a one-line message. `StreamTimer` is the I/O-free part, fed one SSE line
-and its arrival time at a time, so it can be tested without a server.
+failed record with a one-line message. `StreamTimer` is the I/O-free part, fed the stream's
+bytes and their arrival time a chunk at a time, so it can be tested without a server.
+
+The client is aiohttp (`open_session`), not httpx like pdserve's other tools: on 2 cores the
+load generator shares a core with the system it measures, and aiohttp costs about half
+httpx's CPU per streamed token (docs/benchmarks.md, "Session 12"). A token's arrival time
+is when the chunk that completes its event was read.
 
 Handoff: a P/D router may report when the prefill instance finished, as a unix time in
 seconds, either in the response header `x-pdserve-prefill-done` or inside any chunk as
@@ -20,12 +25,13 @@ import itertools
 import time
 from dataclasses import dataclass
 
-import httpx
+import aiohttp
 import msgspec
-from httpx_sse import EventSource
 
 from pdserve.bench.dataset import BenchRequest
 from pdserve.bench.metrics import RequestRecord
+from pdserve.bench.sse_decoder import SseDecoder
+from pdserve.keepalive import CLIENT_KEEPALIVE_S
 
 PREFILL_DONE_HEADER = "x-pdserve-prefill-done"
 _MAX_ERROR_BODY = 500
@@ -134,15 +140,22 @@ class StreamTimer:
         self.usage = _Usage()
         self.prefill_done: float | None = None
         self.done = False
+        self._events = SseDecoder()
 
-    def feed_line(self, line: str, now: float) -> None:
-        """Take one line of the event stream (see `feed_data`)."""
-        if line.startswith("data:"):  # else blank separators, ":" pings, event/id fields
-            self.feed_data(line[len("data:") :].strip(), now)
+    def feed(self, chunk: bytes, now: float) -> None:
+        """Take the stream's next bytes, read at `now` (see `feed_data`)."""
+        for data in self._events.feed(chunk):
+            self.feed_data(data, now)
+
+    def end(self, now: float) -> None:
+        """The stream ended at `now`."""
+        for data in self._events.end():
+            self.feed_data(data, now)
 
     def feed_data(self, data: str, now: float) -> None:
         """Take one event's data; raises StreamError on an error event or data that is not
         a whole chunk (a stream cut mid-event)."""
+        data = data.strip()
         if data == "[DONE]":
             self.done = True
             return
@@ -192,7 +205,7 @@ def _excerpt(data: str) -> str:
     return f"{data[:_MAX_LINE_EXCERPT]!r}...{data[-_MAX_LINE_EXCERPT:]!r} ({len(data)} chars)"
 
 
-def _header_time(response: httpx.Response) -> float | None:
+def _header_time(response: aiohttp.ClientResponse) -> float | None:
     value = response.headers.get(PREFILL_DONE_HEADER)
     try:
         return float(value) if value is not None else None
@@ -214,27 +227,42 @@ def _body(cfg: ClientConfig, req: BenchRequest) -> bytes:
     )
 
 
+def open_session(
+    timeout_s: float, max_connections: int | None = None, headers: dict[str, str] | None = None
+) -> aiohttp.ClientSession:
+    """The client session of one bench run; the caller closes it (`async with`).
+
+    `timeout_s` bounds connecting (at most 10 s) and every wait for the next bytes; the
+    whole request is bounded by `ClientConfig.timeout_s`. No pool cap unless given: a wait
+    for a pooled connection would be counted as TTFT. HTTP(S)_PROXY is ignored: a proxy
+    would be measured along with the server."""
+    connector = aiohttp.TCPConnector(
+        limit=max_connections or 0, keepalive_timeout=CLIENT_KEEPALIVE_S
+    )
+    timeout = aiohttp.ClientTimeout(sock_connect=min(10.0, timeout_s), sock_read=timeout_s)
+    return aiohttp.ClientSession(connector=connector, timeout=timeout, headers=headers)
+
+
 async def _stream(
-    http: httpx.AsyncClient,
+    http: aiohttp.ClientSession,
     cfg: ClientConfig,
     req: BenchRequest,
     timer: StreamTimer,
     clock: RunClock,
 ) -> None:
     headers = {"content-type": "application/json"}
-    async with http.stream("POST", cfg.url, content=_body(cfg, req), headers=headers) as resp:
-        if resp.status_code != 200:
-            body = (await resp.aread()).decode(errors="replace").strip()
-            raise StreamError(f"HTTP {resp.status_code}: {body[:_MAX_ERROR_BODY]}")
+    async with http.post(cfg.url, data=_body(cfg, req), headers=headers) as resp:
+        if resp.status != 200:
+            body = (await resp.read()).decode(errors="replace").strip()
+            raise StreamError(f"HTTP {resp.status}: {body[:_MAX_ERROR_BODY]}")
         timer.prefill_done = _header_time(resp)
-        # Not resp.aiter_lines(): it also splits at U+2028, U+2029 and U+0085, which JSON
-        # may carry raw; httpx-sse splits lines at CR and LF only, as SSE does.
-        async for event in EventSource(resp).aiter_sse():
-            timer.feed_data(event.data, clock.now())
+        async for chunk in resp.content.iter_any():
+            timer.feed(chunk, clock.now())
+        timer.end(clock.now())
 
 
 async def send_request(
-    http: httpx.AsyncClient,
+    http: aiohttp.ClientSession,
     cfg: ClientConfig,
     req: BenchRequest,
     clock: RunClock,
@@ -265,13 +293,20 @@ async def send_request(
     )
 
 
-async def first_model(http: httpx.AsyncClient, base_url: str) -> str:
+async def first_model(http: aiohttp.ClientSession, base_url: str) -> str:
     """The id of the first model listed by `GET /v1/models`; EndpointError if none."""
     url = f"{base_url.rstrip('/')}/v1/models"
     try:
-        resp = await http.get(url)
-        resp.raise_for_status()
-        models = resp.json().get("data") or []
+        async with http.get(url, raise_for_status=True) as resp:
+            models = msgspec.json.decode(await resp.read()).get("data") or []
         return str(models[0]["id"])
-    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError, AttributeError) as exc:
+    except (
+        aiohttp.ClientError,
+        asyncio.TimeoutError,
+        msgspec.DecodeError,
+        KeyError,
+        IndexError,
+        TypeError,
+        AttributeError,
+    ) as exc:
         raise EndpointError(f"cannot read the model list at {url}: {exc!r}") from None

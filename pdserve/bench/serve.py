@@ -24,13 +24,20 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
-import httpx
+import aiohttp
 import msgspec
 import numpy as np
 from tqdm import tqdm
 
 from pdserve.bench.arrivals import ArrivalConfig, arrival_offsets
-from pdserve.bench.client import ClientConfig, EndpointError, RunClock, first_model, send_request
+from pdserve.bench.client import (
+    ClientConfig,
+    EndpointError,
+    RunClock,
+    first_model,
+    open_session,
+    send_request,
+)
 from pdserve.bench.dataset import (
     BenchRequest,
     RandomDatasetConfig,
@@ -49,7 +56,6 @@ from pdserve.bench.metrics import (
     per_request_arrays,
     save_result,
 )
-from pdserve.keepalive import client_limits
 
 DEFAULT_NUM_PROMPTS = 100
 WARMUP_MAX_TOKENS = 16  # enough to go through prefill, KV handoff and a few decode steps
@@ -117,18 +123,13 @@ def release_offsets(
     return arrival_offsets(len(requests), cfg.arrivals, rng)
 
 
-def _http_client(cfg: BenchConfig) -> httpx.AsyncClient:
-    # No pool cap beyond max_concurrency: a pool wait would be counted as TTFT.
+def _http_client(cfg: BenchConfig) -> aiohttp.ClientSession:
     headers = {"authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
-    return httpx.AsyncClient(
-        timeout=httpx.Timeout(cfg.request_timeout_s, connect=min(10.0, cfg.request_timeout_s)),
-        limits=client_limits(cfg.max_concurrency),
-        headers=headers,
-    )
+    return open_session(cfg.request_timeout_s, cfg.max_concurrency, headers)
 
 
 async def _warm_up(
-    http: httpx.AsyncClient, client: ClientConfig, cfg: BenchConfig, rng: np.random.Generator
+    http: aiohttp.ClientSession, client: ClientConfig, cfg: BenchConfig, rng: np.random.Generator
 ) -> None:
     if cfg.num_warmups == 0:
         return
@@ -143,7 +144,7 @@ async def _warm_up(
 
 
 async def _dispatch(
-    http: httpx.AsyncClient,
+    http: aiohttp.ClientSession,
     client: ClientConfig,
     cfg: BenchConfig,
     requests: list[BenchRequest],

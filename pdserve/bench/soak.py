@@ -39,7 +39,7 @@ import msgspec
 import numpy as np
 from tqdm import tqdm
 
-from pdserve.bench.client import EndpointError, first_model
+from pdserve.bench.client import EndpointError, first_model, open_session
 from pdserve.bench.soak_report import (
     MAX_FAILED_SAVED,
     FailedRequest,
@@ -288,7 +288,8 @@ async def _run_traffic(cluster: Cluster, cfg: SoakConfig) -> _Traffic:
     rngs = _rngs(cfg.seed)
     async with _http(cfg) as http:
         url = f"{cluster.router_url}/v1/completions"
-        model = await first_model(http, cluster.router_url)
+        async with open_session(cfg.request_timeout_s) as session:
+            model = await first_model(session, cluster.router_url)
         rate = await _derive_rate(http, url, model, cfg, rngs[2])
         print(f"soak: {cfg.mode}, {rate:.2f} req/s for {cfg.duration_s:.0f} s", file=sys.stderr)
         slots = asyncio.Semaphore(cfg.max_concurrency)

@@ -1,6 +1,6 @@
 """The router's HTTP client to its instances: legs, health checks, `/load`, `/tokenize`.
 
-It is aiohttp, not httpx like pdserve's other clients, because the router shares P's core
+It is aiohttp, not httpx like the launcher and `soak`, because the router shares P's core
 and its CPU per request is taken from P's prefills. Measured on the 2-core machine (client
 on one core, a uvicorn server on the other, docs/benchmarks.md "Session 11"): a 6 KB POST
 costs 1.6-2.0 ms of client CPU in httpx and 0.4 ms in aiohttp; each chunk of a stream 0.41-
