@@ -13,14 +13,15 @@ prompt done (queue + prefill step), prompt done -> client's first token.
 
 usage: light_ttft.py OUTDIR [--modes push pull mono1] [--rounds 3] [--num-prompts 30]
        [--input-len 1024] [--output-len 16] [--rate R] [--model builtin:small]
-       [--client-cpus 1] [--baseline DIR]
+       [--client-cpus 1] [--baseline DIR [--baseline-client]]
        [-- INSTANCE ARGS, e.g. --dtype bfloat16]
        (run under flock /work/notes/bench.lock)
 
 `--baseline DIR` (a checkout of other code, e.g. `git worktree add DIR HEAD~1`) adds, for
 every P/D mode M, a mode `M@base`: the same cluster started from DIR's code (this
 checkout's venv), taking its turns in the same rounds, so that one run compares two
-versions under the same conditions.
+versions under the same conditions. With `--baseline-client` the `@base` modes also run
+DIR's bench client, and mono1 gets a `mono1@base` too (to compare two bench clients).
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ def start(mode: str, a: argparse.Namespace) -> tuple[subprocess.Popen, str]:
     log = open(a.out / f"up-{mode}.log", "w")  # noqa: SIM115 - lives as long as the cluster
     cmd = [PY, "-m", "pdserve", "up", *MODES[kind], "--model", a.model, "--port", str(port)]
     cmd += ["--log-dir", str(a.out / f"logs-{mode}")]
-    if mode != "mono1":
+    if kind != "mono1":
         cmd += ["--router-log-level", "debug", "--local-prefill-below", "0"]
     extra = ["--no-push-layerwise"] if kind == "push-whole" else []
     cmd += ["--", "--log-level", "debug", "--kv-cache-memory", "1", *extra, *a.instance_args]
@@ -88,7 +89,7 @@ def move_router(up_log: str, core: int) -> None:
         os.sched_setaffinity(int(task.name), {core})
 
 
-def bench(url: str, a: argparse.Namespace, n: int, seed: int, save: Path | None) -> None:
+def bench(mode: str, url: str, a: argparse.Namespace, n: int, seed: int, save: Path | None) -> None:
     cmd = [PY, "-m", "pdserve", "bench", "serve", "--base-url", url, "--disable-tqdm"]
     cmd += ["--input-len", str(a.input_len), "--output-len", str(a.output_len)]
     cmd += ["--num-prompts", str(n), "--seed", str(seed), "--num-warmups", "0"]
@@ -100,7 +101,8 @@ def bench(url: str, a: argparse.Namespace, n: int, seed: int, save: Path | None)
         cmd += ["--cpus", a.client_cpus]
     if save is not None:
         cmd += ["--save-result", str(save)]
-    subprocess.run(cmd, cwd=REPO, check=True, capture_output=True)
+    tree = a.baseline if a.baseline_client and mode.endswith("@base") else REPO
+    subprocess.run(cmd, cwd=tree, check=True, capture_output=True)
 
 
 def hops(log_dir: Path) -> dict[str, list]:
@@ -126,19 +128,20 @@ def first_after(items: list, t: float, proc: str | None = None, key: str | None 
 def split(mode: str, result: dict, h: dict[str, list]) -> list[dict[str, float]]:
     """Per request: ms in each part of its TTFT."""
     rows = []
+    mono = mode.partition("@")[0] == "mono1"
     t0 = result["start_time_unix"]
     for start, ttft in zip(result["start_times"], result["ttfts"], strict=True):
         if ttft is None:
             continue
         sent = t0 + start
         first = sent + ttft
-        p = "both-0" if mode == "mono1" else "prefill-0"
+        p = "both-0" if mono else "prefill-0"
         handler = first_after(h.get("d.http_handler", []), sent, p)
         if handler is None:
             continue
         rid = handler[1]
         add = first_after(h.get("d.engine_add", []), handler[0], p, f"cmpl-{rid}")
-        if mode == "mono1":
+        if mono:
             done = first_after(h.get("d.deliver", []), handler[0], p, f"cmpl-{rid}")
         else:
             done = first_after(h.get("p.prefill_done", []), handler[0], p)
@@ -148,7 +151,7 @@ def split(mode: str, result: dict, h: dict[str, list]) -> list[dict[str, float]]
         row["engine_to_done"] = done[0] - add[0]
         row["done_to_first"] = first - done[0]
         row["ttft"] = ttft
-        if mode != "mono1":
+        if not mono:
             got = first_after(h.get("r.received", []), sent, "router", rid)
             if got is not None:
                 row["to_router"] = got[0] - sent
@@ -176,6 +179,9 @@ def main() -> None:
     ap.add_argument("--model", default="builtin:small")
     ap.add_argument("--client-cpus", help="pin the bench client (bench serve --cpus)")
     ap.add_argument("--baseline", type=Path, help="also run every P/D mode from this checkout")
+    ap.add_argument(
+        "--baseline-client", action="store_true", help="and the @base modes' bench client"
+    )
     argv = sys.argv[1:]
     cut = argv.index("--") if "--" in argv else len(argv)
     a = ap.parse_args(argv[:cut])
@@ -183,16 +189,16 @@ def main() -> None:
     a.out = a.out.resolve()  # the baseline's clusters run in another directory
     a.out.mkdir(parents=True, exist_ok=True)
     if a.baseline is not None:
-        a.modes += [f"{m}@base" for m in a.modes if m != "mono1"]
+        a.modes += [f"{m}@base" for m in a.modes if m != "mono1" or a.baseline_client]
     clusters = {m: start(m, a) for m in a.modes}
     try:
         for m, (popen, _) in clusters.items():
             wait_up(m, a, popen)
-        for _, url in clusters.values():
-            bench(url, a, 3, 999, None)  # warm-up
+        for m, (_, url) in clusters.items():
+            bench(m, url, a, 3, 999, None)  # warm-up
         for rnd in range(1, a.rounds + 1):
             for m in a.modes if rnd % 2 else a.modes[::-1]:
-                bench(clusters[m][1], a, a.num_prompts, rnd, a.out / f"r{rnd}-{m}.json")
+                bench(m, clusters[m][1], a, a.num_prompts, rnd, a.out / f"r{rnd}-{m}.json")
                 print(f"round {rnd} {m} done", flush=True)
     finally:
         for popen, _ in clusters.values():
@@ -200,6 +206,27 @@ def main() -> None:
         for popen, _ in clusters.values():
             popen.wait(timeout=60)
     report(a)
+
+
+def reference(a: argparse.Namespace, mode: str) -> str:
+    """The mono1 run a mode's TTFT is compared with: the one with the same bench client."""
+    return "mono1@base" if mode.endswith("@base") and "mono1@base" in a.modes else "mono1"
+
+
+def ratios(a: argparse.Namespace, per_round: dict, pooled: dict[str, list]) -> str:
+    """TTFT p50 over the reference mono1's, per round and pooled."""
+    others = [m for m in a.modes if not m.startswith("mono1")]
+
+    def ttft(m: str) -> float:
+        return statistics.median(r["ttft"] for r in pooled[m])
+
+    def one_round(r: int) -> str:
+        cells = (f"{m} {per_round[(r, m)] / per_round[(r, reference(a, m))]:.2f}" for m in others)
+        return f"r{r} " + ", ".join(cells)
+
+    rounds = "; ".join(one_round(r) for r in range(1, a.rounds + 1))
+    total = ", ".join(f"{m} {ttft(m) / ttft(reference(a, m)):.2f}" for m in others)
+    return f"TTFT p50 over mono1's, per round: {rounds}\n\npooled: {total}"
 
 
 def report(a: argparse.Namespace) -> None:
@@ -221,19 +248,7 @@ def report(a: argparse.Namespace) -> None:
         cells = [med(rows, k) for k in PARTS]
         lines.append(f"| all | {m} | " + " | ".join(cells) + f" | {len(rows)} | |")
     if "mono1" in a.modes:
-        lines.append("")
-        lines.append(
-            "TTFT p50 over mono1's, per round: "
-            + "; ".join(
-                f"r{r} "
-                + ", ".join(
-                    f"{m} {per_round[(r, m)] / per_round[(r, 'mono1')]:.2f}"
-                    for m in a.modes
-                    if m != "mono1"
-                )
-                for r in range(1, a.rounds + 1)
-            )
-        )
+        lines += ["", ratios(a, per_round, pooled)]
     text = "\n".join(lines)
     (a.out / "report.md").write_text(text + "\n")
     print(text)
