@@ -1,13 +1,18 @@
 """Decode TPOT with KV transfers in flight vs with none (issue 8), push and pull, 1P1D.
 
 Foreground: a fixed decode batch on D (`--max-concurrency` streams of short prompts, long
-`--output-len`, ignore_eos). Background (B windows only): long prompts with max_tokens=1 through
+`--output-len`, ignore_eos). Background (B windows): long prompts with max_tokens=1 through
 the same router, so KV lands in D continuously while D only emits P's first token and finishes.
-Windows alternate A, B, A, B, ... on one cluster per mode. Per window this records the bench
-result, D's `pdserve_kv_received_total` before/after, D's CPU seconds (/proc/PID/stat) and the
-load average. One extra unmeasured B window per mode runs `py-spy record` on D if py-spy exists.
+C windows (`--control`): the same background prompts sent straight to P as plain requests, so
+P prefills as in B but nothing is transferred: B against C is the transfers' own effect on
+D, C against A the effect of P's prefills on the other core (shared cache and memory).
+Windows go A, B(, C) in odd rounds and the reverse in even rounds, on one cluster per mode.
+Per window this records the bench result, D's `pdserve_kv_received_total` before/after,
+D's CPU seconds (/proc/PID/stat) and the load average. One extra unmeasured B window per mode
+runs `py-spy record` on D if py-spy exists.
 
-usage: run.py OUTDIR [--modes push pull] [--rounds 2]  (run under flock /work/notes/bench.lock)
+usage: run.py OUTDIR [--modes push pull] [--rounds 2] [--control]
+       (run under flock /work/notes/bench.lock)
 """
 
 from __future__ import annotations
@@ -56,6 +61,7 @@ class Cluster:
     popen: subprocess.Popen
     url: str
     decode_url: str
+    prefill_url: str
     pids: dict[str, int]  # role -> PID: prefill, decode, router
 
 
@@ -96,7 +102,8 @@ def try_start(
         time.sleep(1)
     found = dict(re.findall(r"^\s+(prefill|decode|router)\s+http://\S+\s+pid (\d+)", text, re.M))
     m = re.search(r"decode\s+(http://\S+)\s+pid", text)
-    if m is None or len(found) != 3:
+    mp = re.search(r"prefill\s+(http://\S+)\s+pid", text)
+    if m is None or mp is None or len(found) != 3:
         popen.send_signal(signal.SIGTERM)
         popen.wait()
         return None
@@ -104,7 +111,7 @@ def try_start(
     if isolate:  # everything but D shares P's core, so core 1 runs D (and other users) only
         for tid in os.listdir(f"/proc/{pids['router']}/task"):
             os.sched_setaffinity(int(tid), {0})
-    return Cluster(popen, f"http://127.0.0.1:{port}", m.group(1), pids)
+    return Cluster(popen, f"http://127.0.0.1:{port}", m.group(1), mp.group(1), pids)
 
 
 def kv_received(url: str) -> float:
@@ -155,12 +162,15 @@ def stop(p: subprocess.Popen) -> None:
             p.wait()
 
 
-def window(c: Cluster, w: Workload, out: Path, tag: str, background: bool, spy: bool) -> dict:
+def window(c: Cluster, w: Workload, out: Path, tag: str, kind: str, spy: bool) -> dict:
+    """One measured foreground run; `kind` A: no background, B: through the router (KV
+    transfers), C: straight to P (prefills, no transfers)."""
     bg = None
-    if background:
-        # seeded by the window ("B1"), not the mode: both modes get the same arrivals
-        seed = sum(map(ord, tag.split("-", 1)[1]))
-        bg = bench(c.url, bg_args(w, seed=seed), None, out / f"bg-{tag}.log", w.isolate)
+    if kind != "A":
+        # seeded by the round ("1" of "B1"), not the mode or kind: all get the same arrivals
+        seed = sum(map(ord, "B" + tag.split("-", 1)[1][1:]))
+        url = c.url if kind == "B" else c.prefill_url
+        bg = bench(url, bg_args(w, seed=seed), None, out / f"bg-{tag}.log", w.isolate)
         time.sleep(w.bg_lead_s)
     spy_p = None
     if spy and PYSPY.exists():
@@ -182,7 +192,8 @@ def window(c: Cluster, w: Workload, out: Path, tag: str, background: bool, spy: 
     res = json.loads((out / f"fg-{tag}.json").read_text()) if fg.returncode == 0 else {}
     row = {
         "tag": tag,
-        "background": background,
+        "background": kind != "A",
+        "window": kind,
         "fg_rc": fg.returncode,
         "completed": res.get("completed"),
         "tpot_p50": res.get("median_tpot_ms"),
@@ -199,7 +210,9 @@ def window(c: Cluster, w: Workload, out: Path, tag: str, background: bool, spy: 
     return row
 
 
-def run_mode(mode: str, rounds: int, w: Workload, out: Path, spy: bool) -> list[dict]:
+def run_mode(
+    mode: str, rounds: int, w: Workload, out: Path, spy: bool, kinds: str = "AB"
+) -> list[dict]:
     c = start_cluster(mode, out, w.isolate)
     rows = []
     try:
@@ -207,11 +220,11 @@ def run_mode(mode: str, rounds: int, w: Workload, out: Path, spy: bool) -> list[
         warm = replace(w, fg_num=w.fg_conc)
         bench(c.url, fg_args(warm), None, out / f"warm-{mode}.log", w.isolate).wait()
         for r in range(1, rounds + 1):
-            for bgd in (False, True):
-                tag = f"{mode}-{'B' if bgd else 'A'}{r}"
-                rows.append({"mode": mode, **window(c, w, out, tag, bgd, spy=False)})
+            for kind in kinds if r % 2 else kinds[::-1]:
+                tag = f"{mode}-{kind}{r}"
+                rows.append({"mode": mode, **window(c, w, out, tag, kind, spy=False)})
         if spy and PYSPY.exists():
-            window(c, w, out, f"{mode}-Bspy", True, spy=True)
+            window(c, w, out, f"{mode}-Bspy", "B", spy=True)
     finally:
         c.popen.send_signal(signal.SIGINT)
         try:
@@ -232,11 +245,15 @@ def main() -> None:
     ap.add_argument("--fg-out", type=int, default=256)
     ap.add_argument("--isolate", action="store_true")
     ap.add_argument("--no-spy", action="store_true")
+    ap.add_argument("--control", action="store_true", help="add C windows (see above)")
     a = ap.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
     w = Workload(bg_rate=a.bg_rate, bg_in=a.bg_in, fg_out=a.fg_out, isolate=a.isolate)
     print(f"start {time.strftime('%F %T')} load {Path('/proc/loadavg').read_text().strip()}")
-    rows = [row for mode in a.modes for row in run_mode(mode, a.rounds, w, a.out, not a.no_spy)]
+    kinds = "ABC" if a.control else "AB"
+    rows = [
+        row for mode in a.modes for row in run_mode(mode, a.rounds, w, a.out, not a.no_spy, kinds)
+    ]
     (a.out / "rows.json").write_text(json.dumps(rows, indent=1))
     print(f"end {time.strftime('%F %T')} load {Path('/proc/loadavg').read_text().strip()}")
 
