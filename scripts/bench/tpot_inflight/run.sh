@@ -8,11 +8,13 @@ cd "$(dirname "$0")/../../.."
 OUT=${1:-results/tpot-inflight}
 PY=.venv/bin/python
 ROUNDS=${ROUNDS:-2}; PLACEMENTS=${PLACEMENTS:-"as-launched isolated"}
+MODES=${MODES:-"push pull"}
 CONTROL=${CONTROL:+--control}  # CONTROL=1: add C windows (run.py's docstring)
 echo "code $(git rev-parse --short HEAD) $(date -u +%FT%TZ) load $(cat /proc/loadavg)"
 for pl in $PLACEMENTS; do
   if [ "$pl" = isolated ]; then extra="--isolate --no-spy"; else extra=""; fi
   # shellcheck disable=SC2086
-  $PY scripts/bench/tpot_inflight/run.py "$OUT/$pl" --rounds "$ROUNDS" $extra $CONTROL
+  $PY scripts/bench/tpot_inflight/run.py "$OUT/$pl" --rounds "$ROUNDS" $extra $CONTROL \
+    --modes $MODES
 done
 echo "end $(date -u +%FT%TZ) load $(cat /proc/loadavg)"
