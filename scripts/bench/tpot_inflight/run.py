@@ -170,7 +170,7 @@ def window(c: Cluster, w: Workload, out: Path, tag: str, kind: str, spy: bool) -
     bg = None
     if kind != "A":
         # seeded by the round ("1" of "B1"), not the mode or kind: all get the same arrivals
-        seed = sum(map(ord, "B" + tag.split("-", 1)[1][1:]))
+        seed = sum(map(ord, "B" + tag.rsplit("-", 1)[1][1:]))
         url = c.url if kind == "B" else c.prefill_url
         bg = bench(url, bg_args(w, seed=seed), None, out / f"bg-{tag}.log", w.isolate)
         time.sleep(w.bg_lead_s)

@@ -26,7 +26,7 @@ def summarize(path: Path) -> list[str]:
     out.append("|" + "---|" * 12)
     for r in rows:
         bg = r["kv_received"] - r["completed"]  # the foreground's own prompts land in D too
-        tag = r["tag"].split("-", 1)[1]
+        tag = r["tag"].removeprefix(f"{r['mode']}-")
         out.append(
             f"| {r['mode']} | {tag} | {r['tpot_p50']:.1f} | {r['tpot_p99']:.1f}"
             f" | {r['itl_p99']:.1f} | {bg:.0f} | {r['cpu_decode']:.2f} | {r['rq_decode']:.2f}"
