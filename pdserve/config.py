@@ -111,6 +111,9 @@ class ConnectorConfig:
     quarantine_s: float = 60.0  # D keeps fenced blocks at most this long
     handshake_timeout_s: float = 10.0
     push_layerwise: bool = True  # P: stream each layer's KV as soon as the layer is computed
+    # D, pull: claim and READ on the engine thread, stalling every running stream meanwhile
+    # (the classic pull that push is measured against); default: one reader lane per P.
+    pull_on_engine_loop: bool = False
     heartbeat_s: float = 0.5  # D pings the prefill instances it waits on this often
     heartbeat_misses: int = 6  # a peer silent this many periods is declared down
     registration_ttl_s: float = 30.0  # P drops a registration with no prompt alive after this

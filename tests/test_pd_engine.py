@@ -8,6 +8,7 @@ both block pools are full again and pass their integrity check.
 from __future__ import annotations
 
 import random
+import threading
 import time
 from collections.abc import Callable
 
@@ -87,6 +88,27 @@ def test_pd_output_equals_monolithic(pair_factory, reference, mode) -> None:
         assert pair.tokens(f"r{i}") == reference(ids), f"prompt {i} ({len(ids)} tokens)"
     pair.settle()
     assert pair.p.connector.stats.transfers + pair.d.connector.stats.transfers >= 8
+
+
+def test_pull_on_engine_loop_reads_on_the_engine_thread(pair_factory, reference) -> None:
+    """Classic pull (`pull_on_engine_loop`): same tokens, every READ on the thread that
+    steps D, no reader lane."""
+    pair = pair_factory("pull", d_kw={"pull_on_engine_loop": True})
+    threads: list[str] = []
+    run_transfer = pair.d.connector.run_transfer
+
+    def recorded(*args, **kwargs):
+        threads.append(threading.current_thread().name)
+        return run_transfer(*args, **kwargs)
+
+    pair.d.connector.run_transfer = recorded
+    for i, ids in enumerate(prompts(6, seed=22)):
+        out = pair.generate(f"r{i}", ids, GREEDY)
+        assert out.finish_reason is FinishReason.LENGTH, out.error
+        assert pair.tokens(f"r{i}") == reference(ids), f"prompt {i} ({len(ids)} tokens)"
+    assert threads == [threading.current_thread().name] * 6
+    assert len(pair.d.connector._lanes) == 0
+    pair.settle()
 
 
 @pytest.mark.parametrize("order", ["registration_first", "prefill_first"])
@@ -228,9 +250,13 @@ def test_push_prompt_nobody_registers_for_is_freed_after_the_lease(pair_factory)
     assert pair.p.connector.stats.lease_expired == 1
 
 
-@pytest.mark.parametrize("mode", ["push", "pull"])
+@pytest.mark.parametrize("mode", ["push", "pull", "pull-on-engine-loop"])
 def test_dead_prefill_instance_fails_waiting_requests_by_heartbeat(pair_factory, mode) -> None:
-    pair = pair_factory(mode, d_kw={"recv_timeout_s": 60})
+    d_kw = {"recv_timeout_s": 60}
+    if mode == "pull-on-engine-loop":  # the handshake with the dead P blocks D's engine
+        d_kw |= {"pull_on_engine_loop": True, "handshake_timeout_s": 2.0}
+        mode = "pull"
+    pair = pair_factory(mode, d_kw=d_kw)
     ids = prompts(1, seed=18)[0]
     if mode == "push":
         pair.submit_d("r", ids, GREEDY, pair.push_params("t-dead"))

@@ -65,3 +65,14 @@ def test_help_shows_defaults(capsys: pytest.CaptureFixture[str]) -> None:
         assert flag in out
     assert "(default: builtin:tiny)" in out
     assert "(default: 127.0.0.1)" in out
+
+
+def test_transfer_switches_reach_the_connector_config() -> None:
+    from pdserve.transfer.factory import connector_config
+
+    base = ["serve", "--role", "decode", "--kv-transfer", "pull"]
+    default = connector_config(parse_args(base))
+    assert (default.pull_on_engine_loop, default.push_layerwise) == (False, True)
+    argv = [*base, "--pull-read-on-engine-loop", "--no-push-layerwise"]
+    cfg = connector_config(parse_args(argv))
+    assert (cfg.pull_on_engine_loop, cfg.push_layerwise) == (True, False)

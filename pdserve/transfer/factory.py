@@ -106,6 +106,13 @@ def add_transfer_arguments(parser: argparse.ArgumentParser) -> None:
         help="push: write a prompt's KV in one go after prefill instead of layer by "
         "layer as each layer finishes",
     )
+    g.add_argument(
+        "--pull-read-on-engine-loop",
+        action="store_true",
+        help="pull, decode: run the claim and the READ in the engine loop, so every running "
+        "stream waits for them, as classic pull does; only to measure what push and "
+        "pdserve's reader threads save (default: a reader thread per prefill instance)",
+    )
     g.add_argument("--push-register-delay", type=float, default=0.0, help=argparse.SUPPRESS)
     g.add_argument("--push-finish-delay", type=float, default=0.0, help=argparse.SUPPRESS)
     g.add_argument("--fault-transfer-every", type=int, default=0, help=argparse.SUPPRESS)
@@ -136,6 +143,7 @@ def connector_config(args: argparse.Namespace) -> ConnectorConfig:
         push_finish_delay_s=args.push_finish_delay,
         fault_transfer_every=args.fault_transfer_every,
         push_layerwise=args.push_layerwise,
+        pull_on_engine_loop=args.pull_read_on_engine_loop,
     )
 
 

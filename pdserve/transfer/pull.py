@@ -19,6 +19,10 @@ D (lanes, pdserve.transfer.lanes): one thread per prefill instance (side-channel
   A request that ends while its READ is in flight has its blocks quarantined; the lane
   releases them once the READ is over, whatever its outcome, so no READ ever lands in
   blocks that another request owns.
+  With `pull_on_engine_loop` (`--pull-read-on-engine-loop`) the engine thread runs the
+  job itself inside `start_receive`: classic pull, where claim and READ stall every running
+  stream. It exists to measure what the lanes (and push) save; a dead P stalls D's whole
+  engine for up to the handshake timeout in that mode.
 """
 
 from __future__ import annotations
@@ -149,6 +153,9 @@ class PullConnector(KVConnector):
         ended = lease_ended(job.params)
         if ended:
             self._fail_now(job.tid, ended, "lease_expired")
+            return
+        if self.cfg.pull_on_engine_loop:
+            self._run(job)
             return
         if not self._lanes.submit(job.address, job):
             what = f"already reading from {len(self._lanes)} prefill instances (the most)"

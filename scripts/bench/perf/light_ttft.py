@@ -47,8 +47,14 @@ MODES = {
     "push": ["--kv-transfer", "push"],
     "pull": ["--kv-transfer", "pull"],
     "push-whole": ["--kv-transfer", "push"],
+    "pull-onloop": ["--kv-transfer", "pull"],  # classic pull: claim + READ on D's engine loop
     "push-routerD": ["--kv-transfer", "push"],  # then the router is moved to D's core
     "mono1": ["--monolithic", "--cores", "0"],
+}
+
+INSTANCE_FLAGS = {
+    "push-whole": ["--no-push-layerwise"],
+    "pull-onloop": ["--pull-read-on-engine-loop"],
 }
 
 
@@ -61,7 +67,7 @@ def start(mode: str, a: argparse.Namespace) -> tuple[subprocess.Popen, str]:
     cmd += ["--log-dir", str(a.out / f"logs-{mode}")]
     if kind != "mono1":
         cmd += ["--router-log-level", "debug", "--local-prefill-below", "0"]
-    extra = ["--no-push-layerwise"] if kind == "push-whole" else []
+    extra = INSTANCE_FLAGS.get(kind, [])
     cmd += ["--", "--log-level", "debug", "--kv-cache-memory", "1", *extra, *a.instance_args]
     # `-m pdserve` imports the package from the working directory, before the venv's.
     return subprocess.Popen(cmd, cwd=tree, stdout=log, stderr=subprocess.STDOUT), (

@@ -11,7 +11,7 @@ Per window this records the bench result, D's `pdserve_kv_received_total` before
 D's CPU seconds (/proc/PID/stat) and the load average. One extra unmeasured B window per mode
 runs `py-spy record` on D if py-spy exists.
 
-usage: run.py OUTDIR [--modes push pull push-whole] [--rounds 2] [--control]
+usage: run.py OUTDIR [--modes push pull push-whole pull-onloop] [--rounds 2] [--control]
        (run under flock /work/notes/bench.lock)
 """
 
@@ -85,13 +85,22 @@ def start_cluster(
     sys.exit(f"cluster {tag} failed 3 times; see {out}/up-{tag}.log")
 
 
+# mode -> (transfer mode, instance flags): push-whole is push without layer-wise streaming,
+# pull-onloop the classic pull (claim and READ on D's engine loop)
+VARIANTS: dict[str, tuple[str, list[str]]] = {
+    "push": ("push", []),
+    "pull": ("pull", []),
+    "push-whole": ("push", ["--no-push-layerwise"]),
+    "pull-onloop": ("pull", ["--pull-read-on-engine-loop"]),
+}
+
+
 def try_start(
     mode: str, out: Path, isolate: bool, cwd: Path, tag: str, instance_args: tuple[str, ...]
 ) -> Cluster | None:
     port = free_port()
     log = open(out / f"up-{tag}.log", "w")  # noqa: SIM115 - lives as long as the cluster
-    # push-whole: push without layer-wise streaming
-    transfer, whole = ("push", ["--no-push-layerwise"]) if mode == "push-whole" else (mode, [])
+    transfer, whole = VARIANTS[mode]
     cmd = [PY, "-m", "pdserve", "up", "--kv-transfer", transfer, "--model", "builtin:small"]
     cmd += ["--port", str(port), "--log-dir", str(out / f"logs-{tag}")]
     cmd += ["--", "--num-kv-blocks", "4096", *whole, *instance_args]
@@ -240,7 +249,7 @@ def run_mode(
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("out", type=Path)
-    ap.add_argument("--modes", nargs="+", default=["push", "pull"], help="push, pull, push-whole")
+    ap.add_argument("--modes", nargs="+", default=["push", "pull"], choices=sorted(VARIANTS))
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--bg-rate", type=float, default=0.4)
     ap.add_argument("--bg-in", type=int, default=3072)

@@ -39,6 +39,7 @@ VARIANTS: dict[str, tuple[str, tuple[str, ...]]] = {
     "push": ("push", ()),
     "pull": ("pull", ()),
     "push-whole": ("push", ("--no-push-layerwise",)),
+    "pull-onloop": ("pull", ("--pull-read-on-engine-loop",)),  # classic pull
 }
 
 
