@@ -6,6 +6,10 @@ pull: `d.claimed` to `d.read_done` (D's READ); push: each `tcp.recv` of a Write,
 4 ms before its hop (a 1 MiB-per-layer receive on this machine). Step records use
 time.monotonic(), hops time.time(): the offset comes from each step line's log timestamp.
 
+Second table: every decode-only step (any batch size), each overlapping one against the mean
+of the non-overlapping steps of the same batch size; the sum of those excesses over the
+sum of all decode-only step times is the share of D's decoding the receives cost.
+
 usage: overlap.py OUTDIR   (a run.py output directory)
 """
 
@@ -66,6 +70,28 @@ def overlap_split(steps: list[StepRecord], windows: list[tuple[float, float]]) -
     return hit, rest
 
 
+def matched_excess(
+    steps: list[StepRecord], windows: list[tuple[float, float]]
+) -> tuple[int, int, list[float], float]:
+    """(decode-only steps, overlapping ones, their ms over same-batch others, total ms)."""
+    hit: list[StepRecord] = []
+    rest: dict[int, list[float]] = {}
+    total = 0.0
+    for r in steps:
+        if r.prefills or not r.decodes:
+            continue
+        total += 1000 * r.step_s
+        a, b = r.t, r.t + r.step_s
+        if any(x < b and y > a for x, y in windows):
+            hit.append(r)
+        else:
+            rest.setdefault(r.decodes, []).append(1000 * r.step_s)
+    base = {n: statistics.fmean(v) for n, v in rest.items()}
+    excess = [1000 * r.step_s - base[r.decodes] for r in hit if r.decodes in base]
+    n_steps = len(hit) + sum(len(v) for v in rest.values())
+    return n_steps, len(hit), excess, total
+
+
 def _cell(xs: list[float]) -> str:
     if not xs:
         return "0 | - | -"
@@ -97,6 +123,16 @@ def main() -> None:
         windows = transfer_windows(hops, offset)
         hit, rest = overlap_split(steps, windows)
         print(f"| {m} | {len(windows)} | {_cell(hit)} | {_cell(rest)} |")
+    print("\nD's decode-only steps (any batch), overlapping a receive vs same-batch others:\n")
+    print("| mode | steps | overlapping | excess per overlapping step: mean / p50 ms | share |")
+    print("|---|---|---|---|---|")
+    for m in modes:
+        steps, hops, offset = read_log(out / f"logs-{m}/decode-0.log")
+        n, k, excess, total = matched_excess(steps, transfer_windows(hops, offset))
+        mean = statistics.fmean(excess) if excess else float("nan")
+        p50 = statistics.median(excess) if excess else float("nan")
+        share = sum(excess) / total if total else float("nan")
+        print(f"| {m} | {n} | {k} ({k / max(n, 1):.0%}) | {mean:.2f} / {p50:.2f} | {share:.1%} |")
 
 
 if __name__ == "__main__":
