@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
-from pdserve.transfer.hoptrace import Hop, parse_hop_line  # noqa: E402
+from pdserve.transfer.hoptrace import Hop, parse_hop_line
 
 
 def hops_by_key(log: Path) -> dict[str, dict[str, Hop]]:
