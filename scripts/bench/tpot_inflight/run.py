@@ -100,10 +100,10 @@ def try_start(
 ) -> Cluster | None:
     port = free_port()
     log = open(out / f"up-{tag}.log", "w")  # noqa: SIM115 - lives as long as the cluster
-    transfer, whole = VARIANTS[mode]
+    transfer, flags = VARIANTS[mode]
     cmd = [PY, "-m", "pdserve", "up", "--kv-transfer", transfer, "--model", "builtin:small"]
     cmd += ["--port", str(port), "--log-dir", str(out / f"logs-{tag}")]
-    cmd += ["--", "--num-kv-blocks", "4096", *whole, *instance_args]
+    cmd += ["--", "--num-kv-blocks", "4096", *flags, *instance_args]
     popen = subprocess.Popen(cmd, cwd=cwd, stdout=log, stderr=subprocess.STDOUT)
     text = ""
     for _ in range(300):
