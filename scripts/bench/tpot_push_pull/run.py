@@ -40,7 +40,17 @@ VARIANTS: dict[str, tuple[str, tuple[str, ...]]] = {
     "pull": ("pull", ()),
     "push-whole": ("push", ("--no-push-layerwise",)),
     "pull-onloop": ("pull", ("--pull-read-on-engine-loop",)),  # classic pull
+    "push-rx0": ("push", ()),  # then D's transport threads are moved to P's core 0
 }
+
+
+def move_transport_threads(names: dict[str, str], core: int) -> list[str]:
+    """Pin D's tcp transport threads (by Python name, tid -> name) to `core`: does the
+    receive's cost on D come from sharing D's core, or from the GIL it still shares?"""
+    moved = [tid for tid, name in names.items() if name.startswith("tcp")]
+    for tid in moved:
+        os.sched_setaffinity(int(tid), {core})
+    return moved
 
 
 def start(mode: str, out: Path, model: str, dtype: str) -> tuple[subprocess.Popen, str]:
@@ -120,6 +130,8 @@ def main() -> None:
             # the transfer threads start with the first requests
             bench(url, a, seed=99, save=None, log=a.out / f"warm-{m}.txt")
             names[m] = {role: thread_names(pid) for role, pid in pids.items()}
+            if m.endswith("-rx0"):
+                print(f"{m}: moved D threads {move_transport_threads(names[m]['decode'], 0)}")
         pids = {m: c[2] for m, c in clusters.items()}
         (a.out / "threads.json").write_text(json.dumps({"pids": pids, "names": names}))
         rows = []
