@@ -21,6 +21,7 @@ At the end both block pools are full again and pass their integrity check.
 
 from __future__ import annotations
 
+import itertools
 import random
 import time
 import uuid
@@ -49,6 +50,9 @@ NUM_BLOCKS = 48
 # What happens to each request (chances): its P leg aborted at a random step, its D leg
 # aborted at a random step, its D leg aborted at the hand-off, or its prompt never claimed.
 FATES = {"abort_p": 0.1, "abort_d": 0.15, "abort_handoff": 0.15, "unclaimed": 0.1}
+# A scenario ends well within this on a loaded 2-core machine; it only bounds a hang.
+SCENARIO_TIMEOUT_S = 150.0
+IDLE_SLEEP_S = 0.002  # a round with nothing to step waits for a timer or a transfer
 
 
 @dataclass
@@ -111,7 +115,9 @@ class Run:
         outs = self.outputs.get(rid, [])
         return outs[-1] if outs and outs[-1].finished else None
 
-    def step(self) -> None:
+    def step(self) -> bool:
+        """One round of both engines; False if neither had anything to do."""
+        busy = False
         for eng in (self.pair.p, self.pair.d):
             outs = eng.poll_connector()
             self.record(outs)
@@ -119,7 +125,10 @@ class Run:
                 self.arrived |= {o.request_id for o in outs if o.new_token_ids}
             if eng.has_work():
                 self.record(eng.step())
+                busy = True
+            busy = busy or bool(outs)
         self.check_kv()
+        return busy
 
     def check_kv(self) -> None:
         """Every D request whose KV arrived holds its own tokens' KV at every computed
@@ -251,8 +260,15 @@ def drive(
             run.record(pair.d.add_request(d_request(rid, ids, pair.push_params(tids[rid]))))
     live = {rid for rid in run.prompts if fate.get(rid) != "unclaimed"}
     pending_d = set(live) if mode == "pull" else set()
-    for step in range(100_000):
-        run.step()
+    # Bounded in time, not in steps: what ends the last requests is often a timer (P's
+    # lease, D's receive watchdog, a delayed transfer), and a fast machine runs any number
+    # of idle steps before it fires. Idle rounds sleep briefly, so they cost no CPU either.
+    deadline = time.monotonic() + SCENARIO_TIMEOUT_S
+    for step in itertools.count():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the scenario did not end in {SCENARIO_TIMEOUT_S:g} s")
+        if not run.step():
+            time.sleep(IDLE_SLEEP_S)
         for rid, f in fate.items():
             if f == "abort_p" and at_step[rid] == step:
                 run.abort(f, pair.p, f"{rid}-p")
@@ -273,7 +289,6 @@ def drive(
                 live.discard(rid)  # P was aborted: no D leg
         if not pending_d and all(run.finished(rid) for rid in live):
             return
-    raise AssertionError("the scenario did not end")
 
 
 def at_handoff(run: Run, mode: str, rid: str) -> bool:

@@ -26,6 +26,9 @@ GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 LONG = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
 PROMPT_A = [7 + i % 200 for i in range(40)]
 PROMPT_B = [11 + (3 * i) % 230 for i in range(90)]
+# Between D's steps once P is done: A's 400 tokens then last at least 0.8 s whatever the
+# CPU's speed, far longer than B's transfer over loopback takes.
+STEP_GAP_S = 0.002
 
 
 @pytest.fixture(scope="module")
@@ -104,6 +107,8 @@ def test_first_token_leaves_in_the_middle_of_a_step(pair: Pair, loaded) -> None:
         assert pair.d.has_work(), "A ended before B's KV landed: make A longer"
         if pair.p.has_work():
             pair.step(only=pair.p)
+        else:  # B's KV is on the wire: A's remaining steps must not outrun it on a fast CPU
+            time.sleep(STEP_GAP_S)
         step_d(pair, rec)
     first = next(o for o in rec.outputs if o.request_id == "b")
     assert rec.outside_a_step == 0
