@@ -31,10 +31,14 @@ from concurrent.futures import Future, InvalidStateError
 import msgspec
 import zmq
 
+from pdserve.logsafe import Throttled, shown
 from pdserve.transfer import messages as m
 
 log = logging.getLogger(__name__)
 Address = tuple[str, int]
+# The largest frame the inbox takes (ZMQ drops a peer that sends more, before allocating it):
+# control messages are small; the largest, a Hello with a backend's metadata, is kilobytes.
+MAX_MESSAGE_BYTES = 4 << 20
 
 
 class _Envelope(msgspec.Struct, array_like=True):
@@ -94,6 +98,7 @@ class SideChannel:
         self._ctx = zmq.Context()
         self._pull = self._ctx.socket(zmq.PULL)
         self._pull.setsockopt(zmq.LINGER, 0)
+        self._pull.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         try:
             port = self._bind(host, port)
         except zmq.ZMQError as exc:
@@ -112,6 +117,7 @@ class SideChannel:
         self._waiters: dict[str, Future[m.Reply]] = {}
         self._stop = threading.Event()
         self.num_rejected = 0
+        self._drops = Throttled(log)  # 20,000 bad frames must not write 20,000 lines
         self._thread = threading.Thread(target=self._recv_loop, name="pdserve-side", daemon=True)
         self._thread.start()
 
@@ -191,7 +197,7 @@ class SideChannel:
             return m.decode(env.body)
         except (ValueError, msgspec.DecodeError, msgspec.ValidationError) as exc:
             self.num_rejected += 1
-            log.warning("side channel: dropped a message: %s", exc)
+            self._drops.warning("side channel: dropped a message: %s", shown(exc))
             return None
 
     def _dispatch(self, msg: m.Message) -> None:

@@ -25,6 +25,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from pdserve.logsafe import Throttled, shown
 from pdserve.transfer.transport import auth
 from pdserve.transfer.transport.base import (
     PROTOCOL_VERSION,
@@ -35,6 +36,7 @@ from pdserve.transfer.transport.base import (
     TransportError,
 )
 from pdserve.transfer.transport.wire import (
+    MAX_HANDSHAKE_HEADER_BYTES,
     Auth,
     Challenge,
     Deadline,
@@ -49,6 +51,13 @@ from pdserve.transfer.transport.wire import (
 log = logging.getLogger(__name__)
 
 IO_TICK_S = 0.25  # socket timeout: how often blocked I/O wakes up to check liveness
+# Connections in the handshake (not yet authenticated) at once; more are closed at once.
+MAX_PENDING_HANDSHAKES = 32
+# How long a connection may take to authenticate on the accepting side (the transport's own
+# `timeout_s` if shorter): a connection that says nothing holds its slot no longer.
+ANSWER_TIMEOUT_S = 5.0
+ACCEPT_RETRY_MIN_S = 0.05  # the pause after a failed accept, doubled up to the max
+ACCEPT_RETRY_MAX_S = 1.0
 UNIX_BUFFER_BYTES = 4 << 20  # capped by net.core.{w,r}mem_max
 
 
@@ -128,6 +137,11 @@ def _code(exc: TransportError) -> str:
     return "stale" if isinstance(exc, StalePeerError) else "peer"
 
 
+def _recv_small(sock: socket.socket, live: Deadline) -> Frame:
+    """A handshake frame: nobody is authenticated yet, so only a small one is read."""
+    return recv_frame(sock, live, MAX_HANDSHAKE_HEADER_BYTES)
+
+
 def _expect(frame: Frame, kind: type, who: str) -> Frame:
     if isinstance(frame, Refuse):
         raise _refusal(frame.code, f"{who} refused: {frame.reason}")
@@ -161,7 +175,7 @@ def _client_side(sock: socket.socket, peer: PeerCard, me: Me, who: str, live: De
     nonce = auth.new_nonce()
     mine = (me.card.engine_id, me.card.incarnation)
     send_frame(sock, Hello(PROTOCOL_VERSION, me.card.kind, *mine, nonce), live)
-    ch = _expect(recv_frame(sock, live), Challenge, who)
+    ch = _expect(_recv_small(sock, live), Challenge, who)
     found = (ch.engine_id, ch.incarnation)
     if found != (peer.engine_id, peer.incarnation):
         raise _refuse(
@@ -176,7 +190,7 @@ def _client_side(sock: socket.socket, peer: PeerCard, me: Me, who: str, live: De
     if not auth.verify(me.token, auth.SERVER, tr, ch.proof):
         raise _refuse(sock, AuthError(f"{who} could not prove it knows the cluster token"), live)
     send_frame(sock, Auth(auth.prove(me.token, auth.CLIENT, tr), me.card, me.extra), live)
-    return _expect(recv_frame(sock, live), Welcome, who)
+    return _expect(_recv_small(sock, live), Welcome, who)
 
 
 Admit = Callable[[PeerCard, bytes], bytes]
@@ -184,8 +198,8 @@ Admit = Callable[[PeerCard, bytes], bytes]
 
 def answer(sock: socket.socket, me: Me, admit: Admit, timeout_s: float) -> Auth:
     """Server side: authenticate the client, let `admit` accept it (returns our extra)."""
-    live = Deadline(timeout_s, "handshake")
-    hello = _expect(recv_frame(sock, live), Hello, "client")
+    live = Deadline(min(timeout_s, ANSWER_TIMEOUT_S), "handshake")
+    hello = _expect(_recv_small(sock, live), Hello, "client")
     if hello.version != PROTOCOL_VERSION or hello.backend != me.card.kind:
         raise _refuse(
             sock,
@@ -199,7 +213,7 @@ def answer(sock: socket.socket, me: Me, admit: Admit, timeout_s: float) -> Auth:
     theirs, mine = (hello.engine_id, hello.incarnation), (me.card.engine_id, me.card.incarnation)
     tr = auth.transcript(me.card.kind, theirs, mine, hello.nonce, nonce)
     send_frame(sock, Challenge(*mine, nonce, auth.prove(me.token, auth.SERVER, tr)), live)
-    msg = _expect(recv_frame(sock, live), Auth, f"client {hello.engine_id}")
+    msg = _expect(_recv_small(sock, live), Auth, f"client {hello.engine_id}")
     if not auth.verify(me.token, auth.CLIENT, tr, msg.proof):
         raise _refuse(sock, AuthError(f"client {hello.engine_id} failed the token check"), live)
     if (msg.card.engine_id, msg.card.incarnation) != theirs:
@@ -235,13 +249,31 @@ def wildcard_message(host: str) -> str:
 
 
 class Listener:
-    """Accepts connections on a listening socket; runs `on_accept(sock)` in a thread each."""
+    """Accepts connections on a listening socket; runs `on_accept(sock)` in a thread each.
 
-    def __init__(self, sock: socket.socket, on_accept: Callable[[socket.socket], None], name: str):
+    `on_accept` is where a connection authenticates (the handshake), so at most
+    `max_pending` connections run it at once: one over that is closed at once (counted in
+    `refused`), so unauthenticated connections cannot take a thread and a file descriptor
+    each without bound. An accept that fails (EMFILE when the process is out of file
+    descriptors, ENOBUFS, ...) is logged, waited out with a growing pause and retried: the
+    listener keeps going until `close()`. `alive` tells whether its thread still runs.
+    """
+
+    def __init__(
+        self,
+        sock: socket.socket,
+        on_accept: Callable[[socket.socket], None],
+        name: str,
+        max_pending: int = MAX_PENDING_HANDSHAKES,
+    ):
         self._sock = sock
         self._sock.settimeout(IO_TICK_S)
         self._on_accept = on_accept
         self._name = name
+        self._slots = threading.BoundedSemaphore(max_pending)
+        self.refused = 0  # connections closed because `max_pending` were in the handshake
+        self.accept_errors = 0
+        self._refusals = Throttled(log)  # a flood of bad clients writes a line per interval
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name=f"{name}-listen", daemon=True)
         self._thread.start()
@@ -250,25 +282,61 @@ class Listener:
     def port(self) -> int:
         return self._sock.getsockname()[1]
 
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
     def _loop(self) -> None:
+        pause = ACCEPT_RETRY_MIN_S
         while not self._stop.is_set():
             try:
                 conn, _ = self._sock.accept()
             except TimeoutError:
                 continue
-            except OSError:
-                break
+            except OSError as exc:
+                if self._stop.is_set():
+                    break
+                self._accept_failed(exc, pause)
+                pause = min(2 * pause, ACCEPT_RETRY_MAX_S)
+                continue
+            pause = ACCEPT_RETRY_MIN_S
+            self._start(conn)
+
+    def _accept_failed(self, exc: OSError, pause: float) -> None:
+        self.accept_errors += 1
+        if self.accept_errors == 1 or self.accept_errors % 100 == 0:
+            log.warning(
+                "%s: accept failed (%s; %d so far): retrying in %.2f s",
+                self._name,
+                exc,
+                self.accept_errors,
+                pause,
+            )
+        self._stop.wait(pause)
+
+    def _start(self, conn: socket.socket) -> None:
+        if not self._slots.acquire(blocking=False):
+            self.refused += 1
+            conn.close()
+            return
+        try:
             configure(conn)
             threading.Thread(
                 target=self._serve, args=(conn,), name=f"{self._name}-conn", daemon=True
             ).start()
+        except BaseException:  # e.g. no thread could be started: give the slot back
+            self._slots.release()
+            conn.close()
+            raise
 
     def _serve(self, conn: socket.socket) -> None:
         try:
             self._on_accept(conn)
         except Exception as exc:  # one bad client must not take the listener down
-            log.warning("%s: refused a connection: %s", self._name, exc)
+            self._refusals.warning("%s: refused a connection: %s", self._name, shown(exc, 300))
             conn.close()
+        finally:
+            self._slots.release()
 
     def close(self) -> None:
         self._stop.set()

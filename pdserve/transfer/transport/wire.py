@@ -24,6 +24,10 @@ from pdserve.transfer.transport.base import PeerCard
 
 _PREFIX = struct.Struct("!I")
 MAX_HEADER_BYTES = 16 << 20  # a header bigger than this is garbage or hostile
+# Before the peer has proven the token, its frames are small (identity, nonces, proofs, its
+# card and a backend's metadata): anything larger is refused before it is read.
+MAX_HANDSHAKE_HEADER_BYTES = 1 << 20
+_HEADER_CHUNK = 64 << 10  # a header is read in chunks: memory grows only as bytes arrive
 MAX_DESCS = (MAX_HEADER_BYTES - 4096) // 24  # descriptors one frame can carry
 IOV_MAX = 1024  # Linux's limit on buffers per sendmsg
 _DISCARD_CHUNK = 1 << 20
@@ -235,15 +239,21 @@ def discard(sock: socket.socket, nbytes: int, live: Liveness) -> None:
         nbytes -= n
 
 
-def recv_frame(sock: socket.socket, live: Liveness) -> Frame:
-    """Read one frame header (its payload, if any, is left on the socket)."""
+def recv_frame(sock: socket.socket, live: Liveness, max_bytes: int = MAX_HEADER_BYTES) -> Frame:
+    """Read one frame header (its payload, if any, is left on the socket). A header
+    announced larger than `max_bytes` is refused before any of it is read, and one that is
+    allowed is read in chunks, so a peer that announces much and sends little costs little."""
     prefix = bytearray(_PREFIX.size)
     recv_into(sock, memoryview(prefix), live, False)
     (size,) = _PREFIX.unpack(prefix)
-    if size > MAX_HEADER_BYTES:
-        raise ProtocolError(f"frame header of {size} bytes")
-    header = bytearray(size)
+    if size > max_bytes:
+        raise ProtocolError(f"frame header of {size} bytes (limit {max_bytes})")
+    header = bytearray(min(size, _HEADER_CHUNK))
     recv_into(sock, memoryview(header), live, True)
+    while len(header) < size:
+        chunk = bytearray(min(_HEADER_CHUNK, size - len(header)))
+        recv_into(sock, memoryview(chunk), live, True)
+        header += chunk
     try:
         return _DECODER.decode(header)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
