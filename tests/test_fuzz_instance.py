@@ -469,3 +469,14 @@ def test_pd_legs_on_a_monolithic_instance_are_a_400(instance: Instance) -> None:
         err = refused(instance, "/v1/completions", {"prompt": "hi", "kv_transfer_params": kv})
         assert err["param"] == "kv_transfer_params" and "monolithic" in err["message"]
     instance.assert_healthy()
+
+
+def test_deeply_nested_json_to_tokenize_is_refused(instance: Instance) -> None:
+    for depth in (100, 1000, 200_000):
+        raw = b'{"prompt": ' + b"[" * depth + b"]" * depth + b"}"
+        r = instance.client.post(
+            "/tokenize", content=raw, headers={"Content-Type": "application/json"}
+        )
+        assert r.status_code == 400, r.text[:300]
+        assert "nested deeper" in r.json()["error"]["message"]
+    instance.assert_healthy()

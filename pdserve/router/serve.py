@@ -17,6 +17,7 @@ from pdserve.router.config import (
     RouterConfig,
     normalize_url,
 )
+from pdserve.server.http_protocol import HeaderDeadlineProtocol
 from pdserve.server.serve import LISTEN_BACKLOG, UVICORN_LOOP
 
 log = logging.getLogger(__name__)
@@ -118,6 +119,7 @@ def main(args: argparse.Namespace) -> int:
             timeout_graceful_shutdown=5,
             timeout_keep_alive=SERVER_KEEPALIVE_S,  # longer than clients keep theirs
             loop=UVICORN_LOOP,
+            http=HeaderDeadlineProtocol,  # slow or silent headers are cut off
         )
     )
     with sock:

@@ -123,12 +123,38 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(Exception, _internal_error)
 
 
+# Deeper JSON than any OpenAI request needs (a chat body is ~6 levels; tool schemas add some)
+# is refused: the decoder recurses, and 1,000 levels used to end in a 500 (RecursionError).
+MAX_JSON_DEPTH = 64
+
+
 async def read_json_object(request: Request) -> dict[str, Any]:
     """The request's body as a JSON object, or a 400 saying what is wrong with it."""
     try:
         body = msgspec.json.decode(await request.body())
     except msgspec.DecodeError as exc:
         raise bad_request(f"The request body is not valid JSON: {exc}") from None
+    except RecursionError:  # nested deeper than the decoder goes
+        raise _too_deep() from None
+    if json_depth(body) > MAX_JSON_DEPTH:
+        raise _too_deep()
     if not isinstance(body, dict):
         raise bad_request("The request body must be a JSON object")
     return body
+
+
+def _too_deep() -> APIError:
+    return bad_request(f"The request body is nested deeper than {MAX_JSON_DEPTH} levels")
+
+
+def json_depth(value: object) -> int:
+    """How deeply lists and objects nest in a decoded JSON value (a scalar is 0); walks
+    iteratively, so any depth the decoder produced is measured without recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        children = node.values() if isinstance(node, dict) else node
+        if isinstance(node, dict | list):
+            deepest = max(deepest, depth)
+            stack.extend((c, depth + 1) for c in children if isinstance(c, dict | list))
+    return deepest

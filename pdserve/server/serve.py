@@ -33,6 +33,7 @@ from pdserve.config import (
 )
 from pdserve.keepalive import SERVER_KEEPALIVE_S
 from pdserve.ports import EXIT_ADDRESS_IN_USE, bind_socket, is_address_in_use
+from pdserve.server.http_protocol import HeaderDeadlineProtocol
 from pdserve.transfer.factory import add_transfer_arguments
 
 if TYPE_CHECKING:
@@ -332,6 +333,7 @@ def _serve_http(
         timeout_graceful_shutdown=SHUTDOWN_GRACE_S + 5,
         timeout_keep_alive=SERVER_KEEPALIVE_S,  # longer than clients keep theirs (see there)
         loop=UVICORN_LOOP,
+        http=HeaderDeadlineProtocol,  # slow or silent headers are cut off
     )
     host, port = sock.getsockname()[:2]
     url_host = f"[{host}]" if ":" in host else host
