@@ -365,7 +365,7 @@ def test_request_id_header_never_5xx(instance: Instance) -> None:
 
 
 def test_every_route_and_method_never_5xx(instance: Instance) -> None:
-    known = sorted(instance.client.get("/openapi.json").json()["paths"])
+    known = sorted(instance.client.app.openapi()["paths"])  # type: ignore[attr-defined]
     assert {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics"} <= set(
         known
     )
@@ -480,3 +480,8 @@ def test_deeply_nested_json_to_tokenize_is_refused(instance: Instance) -> None:
         assert r.status_code == 400, r.text[:300]
         assert "nested deeper" in r.json()["error"]["message"]
     instance.assert_healthy()
+
+
+def test_the_instance_publishes_no_api_map(instance: Instance) -> None:
+    for path in ("/docs", "/redoc", "/openapi.json"):
+        assert instance.client.get(path).status_code == 404, path

@@ -54,7 +54,7 @@ def router() -> Iterator[TestClient]:
 
 
 def test_every_v1_route_of_the_router_is_covered(router: TestClient) -> None:
-    paths = router.get("/openapi.json").json()["paths"]
+    paths = router.app.openapi()["paths"]  # type: ignore[attr-defined]
     v1 = {(method.upper(), p) for p, ops in paths.items() if p.startswith("/v1/") for method in ops}
     assert v1 <= set(V1_ROUTES), v1 - set(V1_ROUTES)
 
@@ -172,3 +172,8 @@ def test_a_started_router_listens_on_loopback_only() -> None:
     args += [f"127.0.0.1:{free_port()}", "--kv-transfer", "pull", "--port", str(port)]
     with PdserveProcess(args, port=port, port_args=False, health_path="/metrics") as proc:
         assert assert_loopback_only(proc, at_least=1) == {("127.0.0.1", port)}
+
+
+@pytest.mark.parametrize("path", ["/docs", "/redoc", "/openapi.json"])
+def test_the_router_publishes_no_api_map(router: TestClient, path: str) -> None:
+    assert router.get(path).status_code == 404

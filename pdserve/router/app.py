@@ -75,7 +75,10 @@ def create_app(config: RouterConfig) -> FastAPI:
                 await monitor.stop()
                 await dispatcher.aclose()
 
-    app = FastAPI(title="pdserve router", lifespan=lifespan)
+    # No /docs, /redoc or /openapi.json: nothing a client needs, and a map for strangers.
+    app = FastAPI(
+        title="pdserve router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
+    )
     install_error_handlers(app)
     app.add_middleware(BodySizeLimit, max_bytes=config.max_body_bytes)
     _add_routes(app, config)

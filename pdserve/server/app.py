@@ -64,7 +64,10 @@ def create_app(async_engine: EngineHandle, cfg: ServerConfig) -> FastAPI:
     served_name = cfg.served_model_name or async_engine.info.model_name
     metrics = ServerMetrics(async_engine.stats)
     serving = OpenAIServing(async_engine, served_name, metrics)
-    app = FastAPI(title="pdserve", version=__version__)
+    # No /docs, /redoc or /openapi.json: nothing a client needs, and a map for strangers.
+    app = FastAPI(
+        title="pdserve", version=__version__, docs_url=None, redoc_url=None, openapi_url=None
+    )
     app.state.serving = serving
     app.state.metrics = metrics
     install_error_handlers(app)
