@@ -12,6 +12,8 @@ import importlib
 import sys
 from collections.abc import Sequence
 
+from pdserve import __version__
+
 # (command, module, one-line help)
 COMMANDS: tuple[tuple[str, str, str], ...] = (
     ("serve", "pdserve.server.serve", "run one instance (monolithic, prefill or decode)"),
@@ -38,11 +40,14 @@ BENCH_COMMANDS: tuple[tuple[str, str, str], ...] = (
 )
 
 
-def _add(sub: argparse._SubParsersAction, name: str, module: str, help_: str, load: bool) -> None:
+def _add(
+    sub: argparse._SubParsersAction, name: str, module: str, help_: str, load: bool
+) -> argparse.ArgumentParser:
     parser = sub.add_parser(name, help=help_, description=help_)
-    parser.set_defaults(_module=module)
+    parser.set_defaults(_module=module, _parser=parser)
     if load:  # only the chosen command's module is imported (fast --help, isolated failures)
         importlib.import_module(module).add_arguments(parser)
+    return parser
 
 
 def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
@@ -52,6 +57,7 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
         prog="pdserve",
         description="Prefill/decode disaggregated LLM serving with push-based KV transfer.",
     )
+    parser.add_argument("--version", action="version", version=f"pdserve {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, module, help_ in COMMANDS:
         _add(sub, name, module, help_, load=words[:1] == [name])
@@ -63,8 +69,36 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    """Parse a full `pdserve ...` command line (without the program name)."""
-    return build_parser(argv).parse_args(argv)
+    """Parse a full `pdserve ...` command line (without the program name). Errors in a
+    subcommand's flags are reported with that subcommand's usage; `serve --config FILE`
+    reads flags from a YAML file first (those on the command line win)."""
+    argv = _with_config_file(list(argv))
+    args, extra = build_parser(argv).parse_known_args(argv)
+    parser: argparse.ArgumentParser = args._parser
+    if extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    check = getattr(importlib.import_module(args._module), "check_args", None)
+    if check is not None:
+        check(args, parser)
+    return args
+
+
+def _with_config_file(argv: list[str]) -> list[str]:
+    """`argv` with the flags of `serve --config FILE` put before the command line's own."""
+    if argv[:1] != ["serve"]:
+        return argv
+    path = next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")), None)
+    if path is None and "--config" in argv[:-1]:
+        path = argv[argv.index("--config") + 1]
+    if path is None:
+        return argv
+    from pdserve.server.vllm_forms import config_file_args
+
+    try:
+        return ["serve", *config_file_args(path), *argv[1:]]
+    except ValueError as exc:
+        build_parser(argv).parse_known_args(["serve"])[0]._parser.error(str(exc))
+        raise  # not reached: error() exits
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -17,7 +17,7 @@ from pdserve.router.config import (
     RouterConfig,
     normalize_url,
 )
-from pdserve.server.http_protocol import HeaderDeadlineProtocol
+from pdserve.server.http_protocol import HeaderDeadlineProtocol, quiet_polls
 from pdserve.server.serve import LISTEN_BACKLOG, UVICORN_LOOP
 
 log = logging.getLogger(__name__)
@@ -123,5 +123,6 @@ def main(args: argparse.Namespace) -> int:
         )
     )
     with sock:
+        quiet_polls()  # after uvicorn.Config, which configures its loggers
         server.run(sockets=[sock])
     return 0

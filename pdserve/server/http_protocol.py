@@ -8,12 +8,14 @@ connection opening or of the request's first byte; otherwise the connection is c
 request body and a response stream are not bounded here (the router's and the engine's own
 deadlines cover those).
 
-Every pdserve server (instances and the router) passes this class as uvicorn's `http`.
+Every pdserve server (instances and the router) passes this class as uvicorn's `http`, and
+calls `quiet_polls` so that the routers' health and load polls stay out of the access log.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
@@ -55,3 +57,26 @@ class HeaderDeadlineProtocol(HttpToolsProtocol):
         self._header_timer = None
         if not self.transport.is_closing():
             self.transport.close()
+
+
+# Paths routers poll (every second or more often): their access lines were ~90% of an
+# instance's log. They are logged again with `--log-level debug`.
+POLLED_PATHS = ("/health", "/load")
+
+
+class PollFilter(logging.Filter):
+    """Drops uvicorn's access-log lines of `POLLED_PATHS` unless the log level is DEBUG."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        if not isinstance(args, tuple) or len(args) < 3 or not isinstance(args[2], str):
+            return True
+        path = args[2].split("?", 1)[0]
+        return path not in POLLED_PATHS or logging.getLogger().isEnabledFor(logging.DEBUG)
+
+
+def quiet_polls() -> None:
+    """Install `PollFilter` on uvicorn's access logger (once per process)."""
+    access = logging.getLogger("uvicorn.access")
+    if not any(isinstance(f, PollFilter) for f in access.filters):
+        access.addFilter(PollFilter())

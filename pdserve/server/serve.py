@@ -21,11 +21,10 @@ import threading
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from types import FrameType
-from typing import TYPE_CHECKING, get_args
+from typing import TYPE_CHECKING
 
 from pdserve.config import (
     CacheConfig,
-    Dtype,
     EngineConfig,
     ModelConfig,
     SchedulerConfig,
@@ -33,7 +32,8 @@ from pdserve.config import (
 )
 from pdserve.keepalive import SERVER_KEEPALIVE_S
 from pdserve.ports import EXIT_ADDRESS_IN_USE, bind_socket, is_address_in_use
-from pdserve.server.http_protocol import HeaderDeadlineProtocol
+from pdserve.server import vllm_forms
+from pdserve.server.http_protocol import HeaderDeadlineProtocol, quiet_polls
 from pdserve.transfer.factory import add_transfer_arguments
 
 if TYPE_CHECKING:
@@ -63,8 +63,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument(
         "--dtype",
         default=mc.dtype,
-        choices=get_args(Dtype),
-        help="weight dtype (default: %(default)s)",
+        type=vllm_forms.dtype,
+        metavar="{auto,float32,bfloat16,float16}",
+        help="weight dtype; vLLM's half and float are float16 and float32 (default: %(default)s)",
     )
     model.add_argument("--device", default=mc.device, help="torch device (default: %(default)s)")
     model.add_argument(
@@ -167,6 +168,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "parameters: top_k, ignore_eos, stop_token_ids, kv_transfer_params."
     )
     add_transfer_arguments(parser)
+    vllm_forms.add_arguments(parser)
+    parser.add_argument(
+        "--config",
+        metavar="FILE",
+        help="YAML file of flags (name: value, as vLLM's --config); flags on the command line "
+        "override it",
+    )
+
+
+def check_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """After parsing: vLLM's forms folded into pdserve's flags (`parser.error` if bad)."""
+    vllm_forms.apply(args, parser)
 
 
 def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerConfig]:
@@ -244,7 +257,7 @@ def _start_engine(args: argparse.Namespace, cfg: EngineConfig) -> EngineHandle |
 
     try:
         return _engine_process(args, cfg) if args.engine_process else _engine_thread(args, cfg)
-    except (ValueError, BackendUnavailableError) as exc:  # the message says why
+    except (ValueError, FileNotFoundError, BackendUnavailableError) as exc:  # the message says why
         log.error("%s", exc)
         return 2
     except CoreStartError as exc:
@@ -338,6 +351,7 @@ def _serve_http(
     host, port = sock.getsockname()[:2]
     url_host = f"[{host}]" if ":" in host else host
     log.info("serving %s at http://%s:%d/v1", app.state.serving.model_name, url_host, port)
+    quiet_polls()  # after uvicorn.Config, which configures its loggers
     Server(config).run(sockets=[sock])
 
 
