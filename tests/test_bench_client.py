@@ -355,3 +355,70 @@ def test_stream_timer_errors() -> None:
     with pytest.raises(StreamError, match=r"truncated.*\.\.\..*\(\d+ chars\)") as info:
         StreamTimer(0.0).feed(f"{cut}\n\n".encode(), 0.1)
     assert "\n" not in str(info.value) and cut[-30:] in str(info.value)
+
+
+def _chat_chunk(delta: dict | None, finish: str | None = None, **extra: object) -> str:
+    body: dict = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "model": MODEL, **extra}
+    choice = {"index": 0, "delta": delta, "finish_reason": finish}
+    body["choices"] = [] if delta is None else [choice]
+    return f"data: {json.dumps(body)}\n\n"
+
+
+def test_stream_timer_chat_deltas() -> None:
+    """The role announcement is not a token; content deltas and empty deltas (a token that
+    ends mid-character) are."""
+    timer = StreamTimer(sent_at=1.0)
+    _feed(
+        timer,
+        [
+            (1.01, _chat_chunk({"role": "assistant", "content": ""})),  # before any token
+            (1.2, _chat_chunk({"content": "Hel"})),
+            (1.25, _chat_chunk({})),
+            (1.3, _chat_chunk({"content": "lo"}, "length")),
+            (1.3, _chat_chunk(None, usage={"prompt_tokens": 9, "completion_tokens": 3})),
+            (1.31, "data: [DONE]\n\n"),
+        ],
+    )
+    rec = timer.record(BenchRequest(prompt="x", prompt_len=None, output_len=3), 1.0, RunClock(0, 0))
+    assert rec.ttft == pytest.approx(0.2)
+    assert rec.itl == pytest.approx([0.05, 0.05])
+    assert (rec.output_len, rec.prompt_len, rec.generated_text) == (3, 9, "Hello")
+
+
+def test_stream_timer_chat_role_with_content_is_a_token() -> None:
+    timer = StreamTimer(sent_at=0.0)
+    _feed(
+        timer,
+        [(0.1, _chat_chunk({"role": "assistant", "content": "Hi"})), (0.2, "data: [DONE]\n\n")],
+    )
+    rec = timer.record(BenchRequest(prompt="x", prompt_len=1, output_len=1), 0.0, RunClock(0, 0))
+    assert (rec.ttft, rec.generated_text) == (pytest.approx(0.1), "Hi")
+
+
+def test_stream_timer_chat_role_alone_is_no_token() -> None:
+    timer = StreamTimer(sent_at=0.0)
+    _feed(
+        timer, [(0.1, _chat_chunk({"role": "assistant", "content": ""})), (0.2, "data: [DONE]\n\n")]
+    )
+    with pytest.raises(StreamError, match="without any token"):
+        timer.record(BenchRequest(prompt="x", prompt_len=1, output_len=1), 0.0, RunClock(0, 0))
+
+
+def test_sharegpt_without_tokenize_estimates_lengths(
+    base_url: str, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """The fake server has no /tokenize: lengths are estimated, said once on stderr."""
+    reply = "x" * 40  # 10 tokens at 4 characters a token
+    turns = [{"from": "human", "value": "ok " * 8}, {"from": "gpt", "value": reply}]
+    path = tmp_path / "sg.json"
+    path.write_text(json.dumps([{"id": str(i), "conversations": turns} for i in range(3)]))
+    cfg = BenchConfig(
+        base_url=base_url,
+        dataset_name="sharegpt",
+        trace_path=path,
+        num_warmups=0,
+        disable_tqdm=True,
+    )
+    r = _run(cfg)
+    assert (r.completed, r.output_lens) == (3, [10] * 3)  # the fake sends max_tokens tokens
+    assert capsys.readouterr().err.count("estimating 4 characters per token") == 1

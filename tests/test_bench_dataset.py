@@ -1,14 +1,28 @@
-"""The random dataset and the JSONL trace reader."""
+"""The random datasets (token ids, text), the JSONL trace reader, ShareGPT and custom files."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from pdserve.bench.dataset import RandomDatasetConfig, TraceError, load_trace, sample_random
+from pdserve.bench.dataset import (
+    DEFAULT_CUSTOM_OUTPUT_LEN,
+    WORDS,
+    RandomDatasetConfig,
+    TraceError,
+    estimate_tokens,
+    load_custom,
+    load_trace,
+    read_sharegpt,
+    sample_random,
+    sample_random_text,
+    sample_sharegpt,
+    tokens_per_word,
+)
 
 
 def _rng(seed: int = 0) -> np.random.Generator:
@@ -117,3 +131,142 @@ def test_trace_mixed_timing_is_rejected(tmp_path: Path) -> None:
 def test_empty_trace(tmp_path: Path) -> None:
     with pytest.raises(TraceError, match="no requests"):
         load_trace(_write(tmp_path, ["", "  "]))
+
+
+# --- random text (chat API) -----------------------------------------------------------------
+
+
+def test_random_text_has_about_the_input_length_in_words() -> None:
+    cfg = RandomDatasetConfig(input_len=60, output_len=5, range_ratio=0.0)
+    reqs = sample_random_text(cfg, 20, _rng(), per_word=3.0)
+    assert all(isinstance(r.prompt, str) and r.prompt_len is None for r in reqs)
+    assert all(len(r.prompt.split()) == 20 and r.output_len == 5 for r in reqs)
+    assert all(set(r.prompt.split()) <= set(WORDS) for r in reqs)
+    assert len({r.prompt for r in reqs}) == 20
+    assert sample_random_text(cfg, 3, _rng(1), 1.0) == sample_random_text(cfg, 3, _rng(1), 1.0)
+
+
+def test_tokens_per_word_uses_the_counter() -> None:
+    def by_bytes(texts: Sequence[str]) -> list[int]:
+        return [len(t.encode()) for t in texts]
+
+    expected = (sum(len(w) for w in WORDS) + len(WORDS) - 1) / len(WORDS)
+    assert tokens_per_word(by_bytes) == pytest.approx(expected)
+    assert estimate_tokens(["abcdefgh", "", "a"]) == [2, 0, 1]
+
+
+# --- ShareGPT ----------------------------------------------------------------------------
+
+
+def _conv(*turns: tuple[str, str]) -> dict:
+    return {"id": "x", "conversations": [{"from": f, "value": v} for f, v in turns]}
+
+
+def _sharegpt(tmp_path: Path, convs: list[dict]) -> Path:
+    path = tmp_path / "sg.json"
+    path.write_text(json.dumps(convs))
+    return path
+
+
+def _words(texts: Sequence[str]) -> list[int]:
+    """A counter for tests: one token per word."""
+    return [len(t.split()) for t in texts]
+
+
+def test_sharegpt_first_exchange_and_skips(tmp_path: Path) -> None:
+    path = _sharegpt(
+        tmp_path,
+        [
+            _conv(("human", "a b c d e"), ("gpt", "1 2 3 4 5 6"), ("human", "later"), ("gpt", "x")),
+            _conv(("human", "only one turn")),  # fewer than 2 turns
+            _conv(("system", "be brief"), ("human", "p q r s"), ("gpt", "r1 r2 r3 r4")),
+            _conv(("gpt", "no human before"), ("gpt", "me neither")),
+        ],
+    )
+    assert read_sharegpt(path) == [("a b c d e", "1 2 3 4 5 6"), ("p q r s", "r1 r2 r3 r4")]
+    reqs = sample_sharegpt(path, 10, _rng(), _words)
+    assert sorted((r.prompt, r.prompt_len, r.output_len) for r in reqs) == [
+        ("a b c d e", 5, 6),
+        ("p q r s", 4, 4),
+    ]
+    fixed = sample_sharegpt(path, 10, _rng(), _words, output_len=2)
+    assert [r.output_len for r in fixed] == [2, 2]
+
+
+def test_sharegpt_vllm_bounds_shuffle_and_count(tmp_path: Path) -> None:
+    ok = [_conv(("human", f"w{i} " * 8), ("gpt", "r " * 5)) for i in range(30)]
+    bad = [
+        _conv(("human", "too short"), ("gpt", "r " * 5)),
+        _conv(("human", "x " * 1025), ("gpt", "r " * 5)),  # prompt over 1024
+        _conv(("human", "x " * 1000), ("gpt", "r " * 1100)),  # total over 2048
+        _conv(("human", "x " * 8), ("gpt", "r r")),  # reply under 4
+    ]
+    path = _sharegpt(tmp_path, bad + ok)
+    reqs = sample_sharegpt(path, 12, _rng(3), _words)
+    assert len(reqs) == 12 and all(r.prompt_len == 8 and r.output_len == 5 for r in reqs)
+    assert len({r.prompt for r in reqs}) == 12
+    assert reqs == sample_sharegpt(path, 12, _rng(3), _words)
+    assert reqs != sample_sharegpt(path, 12, _rng(4), _words)
+    assert len(sample_sharegpt(path, 100, _rng(), _words)) == 30  # fewer fit than asked
+    # a fixed output length replaces the reply's: "r r" and the 1000 + 1100 one fit then
+    assert len(sample_sharegpt(path, 100, _rng(), _words, output_len=3)) == 32
+
+
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [
+        ("{not json", "not a ShareGPT JSON"),
+        ('{"conversations": []}', "not a ShareGPT JSON"),
+        ('[{"conversations": [{"from": "human"}]}]', "not a ShareGPT JSON"),
+        ('[{"conversations": [{"from": "human", "value": "hi"}]}]', "no conversation with"),
+    ],
+)
+def test_sharegpt_bad_files(tmp_path: Path, text: str, needle: str) -> None:
+    path = tmp_path / "sg.json"
+    path.write_text(text)
+    with pytest.raises(TraceError, match=needle):
+        sample_sharegpt(path, 1, _rng(), _words)
+
+
+def test_sharegpt_nothing_within_bounds(tmp_path: Path) -> None:
+    path = _sharegpt(tmp_path, [_conv(("human", "hi"), ("gpt", "hello there you all"))])
+    with pytest.raises(TraceError, match="no conversation within vLLM's bounds"):
+        sample_sharegpt(path, 1, _rng(), _words)
+
+
+# --- custom JSONL ------------------------------------------------------------------------
+
+
+def test_custom_output_lengths(tmp_path: Path) -> None:
+    path = _write(
+        tmp_path,
+        [
+            json.dumps({"prompt": "a", "output_tokens": 7, "other": 1}),
+            json.dumps({"prompt": "b", "max_tokens": 3}),
+            json.dumps({"prompt": "c"}),
+            "",
+        ],
+    )
+    reqs = load_custom(path)
+    assert [(r.prompt, r.prompt_len, r.output_len) for r in reqs] == [
+        ("a", None, 7),
+        ("b", None, 3),
+        ("c", None, DEFAULT_CUSTOM_OUTPUT_LEN),
+    ]
+    assert [r.output_len for r in load_custom(path, output_len=2)] == [2, 2, 2]
+    assert [r.prompt for r in load_custom(path, num_prompts=2)] == ["a", "b"]
+
+
+@pytest.mark.parametrize(
+    ("bad_line", "needle"),
+    [
+        ("[1, 2]", "Expected `object`"),
+        ('{"text": "a"}', "prompt"),
+        ('{"prompt": ""}', "empty"),
+        ('{"prompt": "a", "output_tokens": -3}', "must be >= 1"),
+    ],
+)
+def test_custom_bad_line_names_its_number(tmp_path: Path, bad_line: str, needle: str) -> None:
+    path = _write(tmp_path, ['{"prompt": "ok"}', bad_line])
+    with pytest.raises(TraceError, match=rf"trace\.jsonl:2: .*{needle}"):
+        load_custom(path)

@@ -13,6 +13,7 @@ from pdserve.bench.metrics import (
     BenchResult,
     RequestRecord,
     compute_metrics,
+    extra_percentiles,
     json_number,
     load_result,
     per_request_arrays,
@@ -117,3 +118,35 @@ def test_empty_stats_are_null(tmp_path: Path) -> None:
     save_result(result, path)
     data = _strict_json(path)
     assert data["median_ttft_ms"] is None and data["completed"] == 0
+
+
+def test_asked_percentiles_are_top_level_keys_named_as_vllm(tmp_path: Path) -> None:
+    records = [
+        RequestRecord(success=True, output_len=2, ttft=t / 1000, itl=[0.001], latency=0.5)
+        for t in range(1, 101)
+    ]
+    extra = extra_percentiles(records, ["ttft", "itl", "handoff"], [50, 90, 99.9])
+    assert extra.keys() == {
+        "p50_ttft_ms",
+        "p99.9_ttft_ms",
+        "p50_itl_ms",
+        "p99.9_itl_ms",
+        "p50_handoff_ms",
+        "p99.9_handoff_ms",
+    }  # fmt: skip  (p90 has its own field; no handoff samples: None)
+    assert extra["p50_ttft_ms"] == pytest.approx(50.5)
+    assert extra["p99.9_ttft_ms"] == pytest.approx(99.901)
+    assert extra["p50_handoff_ms"] is None
+    result = msgspec.structs.replace(
+        _result(), percentiles=extra, metric_percentiles=[50, 90, 99.9]
+    )
+    path = tmp_path / "r.json"
+    save_result(result, path)
+    data = _strict_json(path)
+    assert "percentiles" not in data and data["p50_ttft_ms"] == pytest.approx(50.5)
+    assert data["p90_ttft_ms"] == result.p90_ttft_ms  # the fixed key is kept as it was
+    loaded = load_result(path)
+    assert loaded == result
+    assert loaded.percentile("ttft", 50) == pytest.approx(50.5)
+    assert loaded.percentile("ttft", 90) == loaded.p90_ttft_ms
+    assert loaded.percentile("ttft", 75) is None  # not asked for

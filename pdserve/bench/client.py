@@ -1,6 +1,7 @@
-"""One streamed `/v1/completions` request, timed at the client.
+"""One streamed `/v1/completions` or `/v1/chat/completions` request, timed at the client.
 
-`send_request` posts a `BenchRequest` with `stream: true`, reads the server-sent events as
+`send_request` posts a `BenchRequest` with `stream: true` (a completion body, or for the chat
+API a chat body with the prompt as one user message), reads the server-sent events as
 they arrive and returns a `RequestRecord`; it never raises for a server or network fault
 (HTTP errors, broken or truncated streams, error events, timeouts): those come back as a
 failed record with a one-line message. `StreamTimer` is the I/O-free part, fed the stream's
@@ -10,6 +11,15 @@ The client is aiohttp (`open_session`), not httpx like pdserve's other tools: on
 load generator shares a core with the system it measures, and aiohttp costs about half
 httpx's CPU per streamed token (docs/benchmarks.md, "Session 12"). A token's arrival time
 is when the chunk that completes its event was read.
+
+Chat streams: every chunk with a choice is a token (as for completions) except the one that
+only announces the assistant's role (`{"role": "assistant", "content": ""}`): pdserve sends
+it before the prompt is even scheduled, so counting it would make TTFT meaningless. A chunk
+whose delta is empty (a token that ends mid-character) is a token.
+
+`TokenCounter` counts prompt tokens with the server's `POST /tokenize` (pdserve's instances
+and vLLM both answer `{"count": N}` for a completion body, the model optional), for datasets
+that need lengths.
 
 Handoff: a P/D router may report when the prefill instance finished, as a unix time in
 seconds, either in the response header `x-pdserve-prefill-done` or inside any chunk as
@@ -22,13 +32,15 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import aiohttp
 import msgspec
 
-from pdserve.bench.dataset import BenchRequest
+from pdserve.bench.dataset import CHARS_PER_TOKEN, BenchRequest, estimate_tokens
 from pdserve.bench.metrics import RequestRecord
 from pdserve.bench.sse_decoder import SseDecoder
 from pdserve.keepalive import CLIENT_KEEPALIVE_S
@@ -66,11 +78,12 @@ class RunClock:
 class ClientConfig:
     """What every request of a run shares."""
 
-    url: str  # full completions URL
+    url: str  # full completions (or chat completions) URL
     model: str
     ignore_eos: bool = True
     temperature: float | None = None  # None: the server's default
     timeout_s: float = 300.0  # bound on one whole request, first byte to [DONE]
+    chat: bool = False  # send chat bodies (messages) instead of completion bodies
 
 
 class StreamOptions(msgspec.Struct, frozen=True):
@@ -89,9 +102,35 @@ class CompletionRequest(msgspec.Struct, frozen=True, kw_only=True, omit_defaults
     temperature: float | None = None
 
 
+class ChatMessage(msgspec.Struct, frozen=True):
+    role: str
+    content: str
+
+
+class ChatCompletionRequest(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """The chat request body (as vLLM's `openai-chat` backend sends it)."""
+
+    model: str
+    messages: list[ChatMessage]
+    max_completion_tokens: int
+    stream: bool
+    stream_options: StreamOptions
+    ignore_eos: bool = False
+    temperature: float | None = None
+
+
+class _Delta(msgspec.Struct):
+    role: str | None = None
+    content: str | None = None
+
+
 class _Choice(msgspec.Struct):
-    text: str = ""
+    text: str = ""  # completions
+    delta: _Delta | None = None  # chat
     finish_reason: str | None = None
+
+    def token_text(self) -> str:
+        return (self.delta.content or "") if self.delta is not None else self.text
 
 
 class _Usage(msgspec.Struct):
@@ -118,13 +157,17 @@ _CHUNK_DECODER = msgspec.json.Decoder(_Chunk)
 
 
 def _is_token_chunk(chunk: _Chunk) -> bool:
-    """Any chunk with a choice counts as a token chunk, even with empty text (vLLM's rule).
+    """Any chunk with a choice counts as a token chunk, even with empty text (vLLM's rule),
+    except a chat chunk that only announces the role.
 
     Empty text is common: a token that does not complete a UTF-8 character yet, or a final
     chunk that only carries finish_reason after a run of such tokens; skipping those would
     fail requests that did generate tokens. The usage chunk has no choices.
     """
-    return bool(chunk.choices)
+    if not chunk.choices:
+        return False
+    delta = chunk.choices[0].delta
+    return delta is None or delta.role is None or bool(delta.content)
 
 
 class StreamTimer:
@@ -172,7 +215,7 @@ class StreamTimer:
             self.usage = chunk.usage
         if _is_token_chunk(chunk):
             self.token_times.append(now)
-            self.text.append(chunk.choices[0].text)
+            self.text.append(chunk.choices[0].token_text())
 
     def record(self, req: BenchRequest, arrival: float, clock: RunClock) -> RequestRecord:
         """The finished request's record; raises StreamError if the stream was incomplete."""
@@ -214,11 +257,29 @@ def _header_time(response: aiohttp.ClientResponse) -> float | None:
 
 
 def _body(cfg: ClientConfig, req: BenchRequest) -> bytes:
+    if cfg.chat:
+        return _chat_body(cfg, req)
     return msgspec.json.encode(
         CompletionRequest(
             model=cfg.model,
             prompt=req.prompt,
             max_tokens=req.output_len,
+            stream=True,
+            stream_options=StreamOptions(include_usage=True),
+            ignore_eos=cfg.ignore_eos,
+            temperature=cfg.temperature,
+        )
+    )
+
+
+def _chat_body(cfg: ClientConfig, req: BenchRequest) -> bytes:
+    if not isinstance(req.prompt, str):
+        raise StreamError("the chat API takes text prompts, not token ids")
+    return msgspec.json.encode(
+        ChatCompletionRequest(
+            model=cfg.model,
+            messages=[ChatMessage(role="user", content=req.prompt)],
+            max_completion_tokens=req.output_len,
             stream=True,
             stream_options=StreamOptions(include_usage=True),
             ignore_eos=cfg.ignore_eos,
@@ -310,3 +371,71 @@ async def first_model(http: aiohttp.ClientSession, base_url: str) -> str:
         AttributeError,
     ) as exc:
         raise EndpointError(f"cannot read the model list at {url}: {exc!r}") from None
+
+
+class _TokenCount(msgspec.Struct):
+    count: int
+
+
+_COUNT_DECODER = msgspec.json.Decoder(_TokenCount)
+_TOKENIZE_CONCURRENCY = 8
+_NO_TOKENIZE_STATUS = (401, 403, 404, 405, 501)  # other failures are the text's own
+
+
+class TokenCounter:
+    """Prompt token counts from `POST {base_url}/tokenize`, or estimates without one.
+
+    The first answer that says there is no such route or no access (401, 403, 404, 405, 501,
+    a connection error) switches to `estimate_tokens` for good, with one line on stderr; any
+    other failure estimates that text only. Owned by one run (uses its session)."""
+
+    def __init__(self, http: aiohttp.ClientSession, base_url: str, model: str | None) -> None:
+        self._http = http
+        self._url = base_url.rstrip("/") + "/tokenize"
+        self._model = model
+        self._usable = True
+        self._slots = asyncio.Semaphore(_TOKENIZE_CONCURRENCY)
+
+    @property
+    def exact(self) -> bool:
+        """Whether the counts so far came from the server."""
+        return self._usable
+
+    async def count(self, texts: Sequence[str]) -> list[int]:
+        return list(await asyncio.gather(*(self._one(t) for t in texts)))
+
+    async def _one(self, text: str) -> int:
+        if text and self._usable:
+            async with self._slots:
+                if self._usable:
+                    counted = await self._ask(text)
+                    if counted is not None:
+                        return counted
+        return estimate_tokens([text])[0]
+
+    async def _ask(self, text: str) -> int | None:
+        fields = {"prompt": text} if self._model is None else {"model": self._model, "prompt": text}
+        body = msgspec.json.encode(fields)
+        headers = {"content-type": "application/json"}
+        try:
+            async with self._http.post(self._url, data=body, headers=headers) as resp:
+                if resp.status in _NO_TOKENIZE_STATUS:
+                    self._give_up(f"HTTP {resp.status}")
+                    return None
+                return (
+                    _COUNT_DECODER.decode(await resp.read()).count if resp.status == 200 else None
+                )
+        except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
+            self._give_up(type(exc).__name__)
+        except msgspec.DecodeError:
+            pass
+        return None
+
+    def _give_up(self, why: str) -> None:
+        if self._usable:
+            self._usable = False
+            print(
+                f"pdserve bench serve: no token counts from {self._url} ({why}); "
+                f"estimating {CHARS_PER_TOKEN:g} characters per token",
+                file=sys.stderr,
+            )

@@ -1,12 +1,16 @@
-"""Benchmark workloads: the random dataset and the JSONL trace reader.
+"""Benchmark workloads: the random dataset (token ids, or words for the chat API), the JSONL
+trace reader, and vLLM's ShareGPT and custom (JSONL) datasets.
 
-Both produce a list of `BenchRequest`, the only thing the rest of the benchmark sees. A request
-owns nothing beyond its prompt and lengths; the arrival schedule is decided separately
-(`pdserve.bench.arrivals`) unless a trace carries its own arrival times.
+All produce a list of `BenchRequest`, the only thing the rest of the benchmark sees. A
+request owns nothing beyond its prompt and lengths; the arrival schedule is decided
+separately (`pdserve.bench.arrivals`) unless a trace carries its own arrival times. Where a
+dataset needs token counts of texts (ShareGPT), the caller passes a `CountTokens` function
+(`bench serve` asks the server's `/tokenize`; `estimate_tokens` is the fallback).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -74,8 +78,52 @@ def sample_random(
     return requests
 
 
+# Words of the random text prompts (chat API): common English words, each one token with its
+# leading space in GPT-2, Llama and Qwen vocabularies (a byte-level one takes a token a byte).
+_WORD_TEXT = """the of and to in is was for on that with as by at from his her they this are be an
+    which or had not but one all were we when there can more if no out so said what up its
+    about into than them time only new some could these two may first then do any like my
+    now over such our man me even most made after also did many before must through back
+    years where much your way well down should because each just those people how too little
+    state good very make world still own see men work long get here between both life being
+    under never day same another know while last might us great old year off come since
+    against go came right used take three"""
+WORDS: tuple[str, ...] = tuple(_WORD_TEXT.split())
+
+CountTokens = Callable[[Sequence[str]], list[int]]
+"""Token counts of a batch of texts, as the server's tokenizer would count each as a prompt."""
+
+CHARS_PER_TOKEN = 4.0  # the estimate's ratio, about right for English in BPE vocabularies
+
+
+def estimate_tokens(texts: Sequence[str]) -> list[int]:
+    """Token counts estimated from the length of each text (CHARS_PER_TOKEN chars a token)."""
+    return [max(1, round(len(t) / CHARS_PER_TOKEN)) if t else 0 for t in texts]
+
+
+def tokens_per_word(count: CountTokens) -> float:
+    """Mean tokens per word of WORDS with its space, as `count` counts them (random text)."""
+    return max(count([" ".join(WORDS)])[0], 1) / len(WORDS)
+
+
+def sample_random_text(
+    cfg: RandomDatasetConfig, num_prompts: int, rng: np.random.Generator, per_word: float
+) -> list[BenchRequest]:
+    """Random text prompts of about `input_len` tokens, for APIs that take no token ids (chat):
+    words drawn uniformly from WORDS, `input_len / per_word` of them. The length is not exact
+    (`prompt_len` is None; the server's usage reports it, chat template included)."""
+    input_lens = _uniform_lengths(rng, cfg.input_len, cfg.range_ratio, num_prompts)
+    output_lens = _uniform_lengths(rng, cfg.output_len, cfg.range_ratio, num_prompts)
+    requests = []
+    for n_in, n_out in zip(input_lens.tolist(), output_lens.tolist(), strict=True):
+        picks = rng.integers(0, len(WORDS), size=max(1, round(n_in / per_word)))
+        prompt = " ".join(WORDS[i] for i in picks.tolist())
+        requests.append(BenchRequest(prompt=prompt, prompt_len=None, output_len=n_out))
+    return requests
+
+
 class TraceError(ValueError):
-    """A trace file that cannot be replayed; the message names the file and line."""
+    """A dataset or trace file that cannot be used; the message names the file (and line)."""
 
 
 class TraceRecord(msgspec.Struct, frozen=True, kw_only=True):
@@ -173,3 +221,137 @@ def load_trace(path: str | Path, num_prompts: int | None = None) -> list[BenchRe
     ]
     requests.sort(key=lambda r: r.arrival_offset_s or 0.0)
     return requests if num_prompts is None else requests[:num_prompts]
+
+
+# --- ShareGPT (vLLM's format) --------------------------------------------------------------
+
+# vLLM's filter of ShareGPT conversations (benchmarks' `is_valid_sequence`), in tokens.
+SHAREGPT_MIN_LEN = 4
+SHAREGPT_MAX_PROMPT_LEN = 1024
+SHAREGPT_MAX_TOTAL_LEN = 2048
+_HUMAN = ("human", "user")
+_GPT = ("gpt", "assistant")
+
+
+class _Turn(msgspec.Struct):
+    speaker: str = msgspec.field(name="from")
+    value: str
+
+
+class _Conversation(msgspec.Struct):
+    conversations: list[_Turn] = msgspec.field(default_factory=list)
+
+
+def _first_exchange(turns: list[_Turn]) -> tuple[str, str] | None:
+    """(first human turn, first gpt turn after it), or None (fewer than 2 turns, no such pair)."""
+    if len(turns) < 2:
+        return None
+    human = next((i for i, t in enumerate(turns) if t.speaker in _HUMAN), None)
+    if human is None:
+        return None
+    reply = next((t.value for t in turns[human + 1 :] if t.speaker in _GPT), None)
+    return None if reply is None else (turns[human].value, reply)
+
+
+def read_sharegpt(path: str | Path) -> list[tuple[str, str]]:
+    """(prompt, reply) of every usable conversation of a ShareGPT JSON file, in file order:
+    a list of {"id", "conversations": [{"from": "human"|"gpt", "value": TEXT}, ...]}."""
+    path = Path(path)
+    try:
+        convs = msgspec.json.decode(path.read_bytes(), type=list[_Conversation])
+    except msgspec.DecodeError as exc:
+        raise TraceError(f"{path}: not a ShareGPT JSON list of conversations ({exc})") from None
+    pairs = [p for c in convs if (p := _first_exchange(c.conversations)) is not None]
+    if not pairs:
+        raise TraceError(f"{path}: no conversation with a human turn and then a gpt turn")
+    return pairs
+
+
+def _fits(prompt_len: int, output_len: int, fixed_output: bool) -> bool:
+    """vLLM's rule; a fixed output length (--sharegpt-output-len) skips the minimum on it."""
+    too_short = prompt_len < SHAREGPT_MIN_LEN or (
+        not fixed_output and output_len < SHAREGPT_MIN_LEN
+    )
+    too_long = (
+        prompt_len > SHAREGPT_MAX_PROMPT_LEN or prompt_len + output_len > SHAREGPT_MAX_TOTAL_LEN
+    )
+    return output_len >= 1 and not too_short and not too_long
+
+
+def sample_sharegpt(
+    path: str | Path,
+    num_prompts: int,
+    rng: np.random.Generator,
+    count: CountTokens,
+    output_len: int | None = None,
+) -> list[BenchRequest]:
+    """`num_prompts` conversations of a ShareGPT file (fewer if fewer fit), shuffled by `rng`:
+    the first human turn is the prompt; the output length is `output_len`, else the token
+    count of the first gpt turn. Conversations out of vLLM's bounds are skipped (prompt
+    4..1024 tokens, reply at least 4, both at most 2048). Texts are counted in batches, only
+    as many as needed."""
+    pairs = read_sharegpt(path)
+    order = rng.permutation(len(pairs)).tolist()
+    batch = max(num_prompts, 64)
+    chosen: list[BenchRequest] = []
+    for start in range(0, len(order), batch):
+        picked = [pairs[i] for i in order[start : start + batch]]
+        prompt_lens = count([prompt for prompt, _ in picked])
+        replies = [reply for _, reply in picked]
+        reply_lens = count(replies) if output_len is None else [output_len] * len(picked)
+        for (prompt, _), n_in, n_out in zip(picked, prompt_lens, reply_lens, strict=True):
+            if _fits(n_in, n_out, output_len is not None):
+                chosen.append(BenchRequest(prompt=prompt, prompt_len=n_in, output_len=n_out))
+        if len(chosen) >= num_prompts:
+            break
+    if not chosen:
+        raise TraceError(
+            f"{path}: no conversation within vLLM's bounds (prompt {SHAREGPT_MIN_LEN}.."
+            f"{SHAREGPT_MAX_PROMPT_LEN} tokens, reply >= {SHAREGPT_MIN_LEN}, "
+            f"both <= {SHAREGPT_MAX_TOTAL_LEN})"
+        )
+    return chosen[:num_prompts]
+
+
+# --- custom (vLLM's JSONL) ---------------------------------------------------------------
+
+DEFAULT_CUSTOM_OUTPUT_LEN = 256  # vLLM's --custom-output-len default
+
+
+class _CustomLine(msgspec.Struct):
+    prompt: str
+    output_tokens: int | None = None
+    max_tokens: int | None = None
+
+
+def _custom_request(line: _CustomLine, output_len: int | None) -> BenchRequest:
+    n_out = output_len or line.output_tokens or line.max_tokens or DEFAULT_CUSTOM_OUTPUT_LEN
+    if not line.prompt:
+        raise ValueError("'prompt' is empty")
+    if n_out < 1:
+        raise ValueError(f"the output length must be >= 1, got {n_out}")
+    return BenchRequest(prompt=line.prompt, prompt_len=None, output_len=n_out)
+
+
+def load_custom(
+    path: str | Path, num_prompts: int | None = None, output_len: int | None = None
+) -> list[BenchRequest]:
+    """The first `num_prompts` lines (None: all) of a JSONL file of {"prompt": TEXT}, in file
+    order. Output length: `output_len`, else the line's `output_tokens`, else its
+    `max_tokens`, else DEFAULT_CUSTOM_OUTPUT_LEN. TraceError names a bad line."""
+    path = Path(path)
+    decoder = msgspec.json.Decoder(_CustomLine)
+    requests = []
+    with path.open("rb") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                requests.append(_custom_request(decoder.decode(line), output_len))
+            except (msgspec.DecodeError, ValueError) as exc:
+                raise TraceError(f"{path}:{lineno}: {exc}") from None
+            if len(requests) == num_prompts:
+                break
+    if not requests:
+        raise TraceError(f"{path}: no prompts in file")
+    return requests

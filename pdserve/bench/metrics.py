@@ -10,12 +10,15 @@ Definitions (vLLM's `bench serve`, so numbers compare with it):
 - Handoff (pdserve's P/D addition): first token at the client minus the prefill instance's
   reported prefill-done time; summarised only over requests that reported it.
 Statistics are mean, median, population std, p90 and p99 (numpy's linear interpolation), in
-milliseconds; None when no request contributed a sample.
+milliseconds; None when no request contributed a sample. Other percentiles can be asked for
+(`--metric-percentiles`): they are saved as vLLM names them, `p{q}_{metric}_ms` (e.g.
+`p50_ttft_ms`, `p99.9_itl_ms`), next to the fixed keys.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -23,6 +26,9 @@ import msgspec
 import numpy as np
 
 SLO_METRICS = ("ttft", "tpot", "e2el")
+LATENCY_METRICS = ("ttft", "tpot", "itl", "e2el", "handoff")
+DEFAULT_PERCENTILES = (90.0, 99.0)  # the fixed p90/p99 keys
+_PERCENTILE_KEY = re.compile(r"^p\d+(\.\d+)?_(" + "|".join(LATENCY_METRICS) + r")_ms$")
 
 
 class RequestRecord(msgspec.Struct, kw_only=True):
@@ -145,6 +151,38 @@ class BenchMetrics(msgspec.Struct, kw_only=True):
     p99_handoff_ms: float | None = None
 
 
+def percentile_key(metric: str, q: float) -> str:
+    """The result key of percentile `q` of a metric, as vLLM names it: p99_ttft_ms, p99.9_itl_ms."""
+    return f"p{int(q) if q == int(q) else q}_{metric}_ms"
+
+
+def metric_samples(records: Sequence[RequestRecord], metric: str) -> list[float]:
+    """A latency metric's samples (seconds) over the completed requests."""
+    done = [r for r in records if r.success]
+    if metric == "itl":
+        return [gap for r in done for gap in r.itl]
+    values = {
+        "ttft": lambda r: r.ttft,
+        "tpot": lambda r: r.tpot,
+        "e2el": lambda r: r.latency,
+        "handoff": lambda r: r.handoff,
+    }[metric]
+    return [v for r in done if (v := values(r)) is not None]
+
+
+def extra_percentiles(
+    records: Sequence[RequestRecord], metrics: Sequence[str], percentiles: Sequence[float]
+) -> dict[str, float | None]:
+    """The asked-for percentiles (ms) that have no fixed key (p90, p99), by result key."""
+    wanted = [q for q in percentiles if q not in DEFAULT_PERCENTILES]
+    out: dict[str, float | None] = {}
+    for metric in metrics if wanted else ():
+        samples = np.asarray(metric_samples(records, metric), dtype=np.float64) * 1000.0
+        values = np.percentile(samples, wanted).tolist() if samples.size else [None] * len(wanted)
+        out.update({percentile_key(metric, q): v for q, v in zip(wanted, values, strict=True)})
+    return out
+
+
 def _flat(name: str, stats: LatencyStats | None) -> dict[str, float | None]:
     fields = ("mean", "median", "std", "p90", "p99")
     return {f"{f}_{name}_ms": None if stats is None else getattr(stats, f) for f in fields}
@@ -196,11 +234,11 @@ def compute_metrics(
         total_token_throughput=(total_in + total_out) / duration,
         max_output_tokens_per_s=peak_output_rate(done),
         max_concurrent_requests=peak_concurrency(done),
-        **_flat("ttft", latency_stats([r.ttft for r in done if r.ttft is not None])),
-        **_flat("tpot", latency_stats([t for r in done if (t := r.tpot) is not None])),
-        **_flat("itl", latency_stats([gap for r in done for gap in r.itl])),
-        **_flat("e2el", latency_stats([r.latency for r in done if r.latency is not None])),
-        **_flat("handoff", latency_stats([r.handoff for r in done if r.handoff is not None])),
+        **{
+            key: value
+            for metric in LATENCY_METRICS
+            for key, value in _flat(metric, latency_stats(metric_samples(done, metric))).items()
+        },
     )
 
 
@@ -215,6 +253,11 @@ class BenchResult(BenchMetrics, kw_only=True):
     `arrival_times`, `queue_times` and `handoffs`. Per-request times are seconds; start and
     arrival times are offsets from `start_time_unix`. A rate or burstiness of infinity is
     written as the string "inf" (JSON has no infinity).
+
+    `percentile_metrics` and `metric_percentiles` are what the run was asked to report
+    (`--percentile-metrics`, `--metric-percentiles`); `percentiles` holds the asked-for
+    values that have no field of their own (e.g. p50_ttft_ms). The file has them as
+    top-level keys, as vLLM writes them (`save_result`, `load_result`).
     """
 
     date: str
@@ -253,11 +296,21 @@ class BenchResult(BenchMetrics, kw_only=True):
     # busy with this machine's work, and stolen by the hypervisor; None where unknown.
     host_cpu_busy: float | None = None
     host_cpu_steal: float | None = None
+    percentile_metrics: list[str] = msgspec.field(default_factory=lambda: list(LATENCY_METRICS))
+    metric_percentiles: list[float] = msgspec.field(
+        default_factory=lambda: list(DEFAULT_PERCENTILES)
+    )
+    percentiles: dict[str, float | None] = msgspec.field(default_factory=dict)
 
     @property
     def rate(self) -> float:
         """`request_rate` as a float (inf for "inf")."""
         return float(self.request_rate)
+
+    def percentile(self, metric: str, q: float) -> float | None:
+        """Percentile `q` of a metric in ms, from its field or `percentiles`; None if unknown."""
+        key = percentile_key(metric, q)
+        return getattr(self, key) if key in self.__struct_fields__ else self.percentiles.get(key)
 
 
 def per_request_arrays(records: Sequence[RequestRecord]) -> dict[str, list]:
@@ -283,12 +336,21 @@ def json_number(value: float) -> float | str:
 
 
 def save_result(result: BenchResult, path: str | Path) -> None:
-    """Write the result as indented JSON (creates parent folders)."""
+    """Write the result as indented JSON (creates parent folders); `percentiles` become
+    top-level keys."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(msgspec.json.format(msgspec.json.encode(result), indent=2) + b"\n")
+    data = msgspec.to_builtins(result)
+    data.update(data.pop("percentiles"))
+    path.write_bytes(msgspec.json.format(msgspec.json.encode(data), indent=2) + b"\n")
 
 
 def load_result(path: str | Path) -> BenchResult:
-    """Read a result JSON written by `save_result`."""
-    return msgspec.json.decode(Path(path).read_bytes(), type=BenchResult)
+    """Read a result JSON written by `save_result` (top-level p{q}_{metric}_ms keys without a
+    field go back into `percentiles`)."""
+    data = msgspec.json.decode(Path(path).read_bytes())
+    if isinstance(data, dict):
+        fields = set(BenchResult.__struct_fields__)
+        extra = {k: v for k, v in data.items() if _PERCENTILE_KEY.match(k) and k not in fields}
+        data = {k: v for k, v in data.items() if k not in extra} | {"percentiles": extra}
+    return msgspec.convert(data, type=BenchResult)

@@ -68,14 +68,19 @@ def rate_label(rate: float | str) -> str:
 
 # --- one run on the terminal -------------------------------------------------------------
 
+STATS = ("mean", "median", "std")
+
 
 def _stat_lines(result: BenchResult, name: str, title: str) -> list[str]:
-    if getattr(result, f"mean_{name}_ms") is None:
+    """A metric's block: mean, median, std and the run's percentiles (`--metric-percentiles`),
+    for the metrics the run reports (`--percentile-metrics`) that have samples."""
+    if getattr(result, f"mean_{name}_ms") is None or name not in result.percentile_metrics:
         return []
+    stats = [(stat.capitalize(), getattr(result, f"{stat}_{name}_ms")) for stat in STATS]
+    stats += [(f"P{q:g}", result.percentile(name, q)) for q in result.metric_percentiles]
     lines = [f"{title:-^50}"]
-    for stat in ("mean", "median", "std", "p90", "p99"):
-        value = getattr(result, f"{stat}_{name}_ms")
-        lines.append(f"{f'{stat.capitalize()} {name.upper()} (ms):':<40} {value:<10.2f}")
+    for stat, value in stats:
+        lines.append(f"{f'{stat} {name.upper()} (ms):':<40} {_fmt(value, 2):<10}")
     return lines
 
 

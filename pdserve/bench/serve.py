@@ -1,10 +1,12 @@
 """`pdserve bench serve`: replay a workload against an OpenAI-compatible endpoint.
 
 Works against pdserve's router or one instance, or any other server with a streaming
-`/v1/completions` (vLLM included). `run_benchmark(BenchConfig)` is the programmatic entry
-(the sweep and the tests call it); `main(args)` is the CLI around it.
+`/v1/completions` or `/v1/chat/completions` (vLLM included). `run_benchmark(BenchConfig)` is
+the programmatic entry (the sweep and the tests call it); `main(args)` is the CLI around it,
+which takes `vllm bench serve`'s flags for the same things (docs/bench.md has the table).
 
-A run: build the requests (random dataset or trace), resolve the model, send the warm-up
+A run: build the requests (random, trace, ShareGPT or custom dataset; token counts from the
+server's `/tokenize` where a dataset needs them), resolve the model, send the warm-up
 requests one after another (they pay first-request costs such as KV-transport handshakes and
 use their own random prompts so they warm no prefix cache for the measured ones), then
 release the measured requests on the arrival schedule, at most `max_concurrency` in flight,
@@ -19,7 +21,9 @@ import asyncio
 import contextlib
 import math
 import os
+import re
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -34,23 +38,33 @@ from pdserve.bench.client import (
     ClientConfig,
     EndpointError,
     RunClock,
+    TokenCounter,
     first_model,
     open_session,
     send_request,
 )
 from pdserve.bench.dataset import (
     BenchRequest,
+    CountTokens,
     RandomDatasetConfig,
     TraceError,
+    estimate_tokens,
+    load_custom,
     load_trace,
     sample_random,
+    sample_random_text,
+    sample_sharegpt,
+    tokens_per_word,
 )
 from pdserve.bench.hostcpu import read_cpu_times, shares
 from pdserve.bench.metrics import (
+    DEFAULT_PERCENTILES,
+    LATENCY_METRICS,
     SLO_METRICS,
     BenchResult,
     RequestRecord,
     compute_metrics,
+    extra_percentiles,
     json_number,
     parse_goodput,
     per_request_arrays,
@@ -59,20 +73,41 @@ from pdserve.bench.metrics import (
 
 DEFAULT_NUM_PROMPTS = 100
 WARMUP_MAX_TOKENS = 16  # enough to go through prefill, KV handoff and a few decode steps
+COMPLETIONS_ENDPOINT = "/v1/completions"
+CHAT_ENDPOINT = "/v1/chat/completions"
+DATASETS = ("random", "sharegpt", "custom", "trace")
+FILE_DATASETS = DATASETS[1:]
+BACKENDS = {
+    "vllm": COMPLETIONS_ENDPOINT,
+    "openai": COMPLETIONS_ENDPOINT,
+    "openai-chat": CHAT_ENDPOINT,
+}
+
+
+def is_chat_endpoint(endpoint: str) -> bool:
+    """Whether requests to `endpoint` take chat bodies (its path ends in chat/completions)."""
+    return endpoint.split("?")[0].rstrip("/").endswith("/chat/completions")
 
 
 @dataclass(frozen=True)
 class BenchConfig:
-    """One benchmark run. `trace_path` None: random dataset of `num_prompts` (default 100)."""
+    """One benchmark run. `trace_path` None: random dataset of `num_prompts` (default 100).
+
+    `dataset_name` None: "trace" with a `trace_path` (the file of any file dataset), else
+    "random". A chat `endpoint` (.../chat/completions) gets chat bodies; its random prompts are
+    text (`sample_random_text`)."""
 
     base_url: str = "http://127.0.0.1:8000"
-    endpoint: str = "/v1/completions"
+    endpoint: str = COMPLETIONS_ENDPOINT
     model: str | None = None  # None: the first model of GET /v1/models
     label: str | None = None
+    dataset_name: str | None = None  # one of DATASETS
     random: RandomDatasetConfig = field(default_factory=RandomDatasetConfig)
     trace_path: Path | None = None
+    file_output_len: int | None = None  # sharegpt, custom: output length for every request
+    tokenize_url: str | None = None  # where POST /tokenize counts tokens; None: base_url
     use_trace_timing: bool = True  # replay a trace's arrival times when it has them
-    num_prompts: int | None = None  # None: DEFAULT_NUM_PROMPTS, or the whole trace
+    num_prompts: int | None = None  # None: DEFAULT_NUM_PROMPTS, or the whole trace / custom
     arrivals: ArrivalConfig = field(default_factory=ArrivalConfig)
     max_concurrency: int | None = None
     seed: int = 0
@@ -84,8 +119,24 @@ class BenchConfig:
     api_key: str | None = None
     metadata: tuple[tuple[str, str], ...] = ()  # labels saved with the result (mode=push)
     disable_tqdm: bool = False
+    percentile_metrics: tuple[str, ...] = LATENCY_METRICS  # reported with percentiles
+    metric_percentiles: tuple[float, ...] = DEFAULT_PERCENTILES
+
+    @property
+    def dataset(self) -> str:
+        """The dataset's name, resolved (see the class doc)."""
+        return self.dataset_name or ("trace" if self.trace_path is not None else "random")
+
+    @property
+    def chat(self) -> bool:
+        return is_chat_endpoint(self.endpoint)
 
     def __post_init__(self) -> None:
+        self._check_dataset()
+        if bad := [m for m in self.percentile_metrics if m not in LATENCY_METRICS]:
+            raise ValueError(f"unknown percentile metrics {bad}; use {LATENCY_METRICS}")
+        if not all(0 <= q <= 100 for q in self.metric_percentiles):
+            raise ValueError("metric percentiles must be within 0..100")
         if self.max_concurrency is not None and self.max_concurrency < 1:
             raise ValueError("max_concurrency must be >= 1")
         if self.num_prompts is not None and self.num_prompts < 1:
@@ -95,6 +146,17 @@ class BenchConfig:
         if bad := [name for name, _ in self.goodput if name not in SLO_METRICS]:
             raise ValueError(f"unknown goodput metrics {bad}; use {SLO_METRICS}")
 
+    def _check_dataset(self) -> None:
+        name = self.dataset
+        if name not in DATASETS:
+            raise ValueError(f"unknown dataset {name!r}; use one of {', '.join(DATASETS)}")
+        if name in FILE_DATASETS and self.trace_path is None:
+            raise ValueError(f"--dataset-name {name} needs --dataset-path FILE")
+        if name == "random" and self.trace_path is not None:
+            raise ValueError("--dataset-name random takes no --dataset-path")
+        if self.file_output_len is not None and self.file_output_len < 1:
+            raise ValueError("the output length of a dataset must be >= 1")
+
 
 def workload_rngs(seed: int) -> tuple[np.random.Generator, ...]:
     """The (dataset, warm-up, arrival) random streams of a run with `seed`: independent,
@@ -103,11 +165,32 @@ def workload_rngs(seed: int) -> tuple[np.random.Generator, ...]:
     return tuple(np.random.default_rng(s) for s in np.random.SeedSequence(seed).spawn(3))
 
 
-def build_requests(cfg: BenchConfig, rng: np.random.Generator) -> list[BenchRequest]:
-    """The measured requests, in release order."""
-    if cfg.trace_path is not None:
-        return load_trace(cfg.trace_path, cfg.num_prompts)
-    return sample_random(cfg.random, cfg.num_prompts or DEFAULT_NUM_PROMPTS, rng)
+def random_requests(
+    cfg: BenchConfig, num_prompts: int, rng: np.random.Generator, count: CountTokens
+) -> list[BenchRequest]:
+    """Random requests: token ids, or for the chat API text of about the input length."""
+    if not cfg.chat:
+        return sample_random(cfg.random, num_prompts, rng)
+    return sample_random_text(cfg.random, num_prompts, rng, tokens_per_word(count))
+
+
+def build_requests(
+    cfg: BenchConfig, rng: np.random.Generator, count: CountTokens = estimate_tokens
+) -> list[BenchRequest]:
+    """The measured requests, in release order; `count` counts tokens of texts where the
+    dataset needs it (ShareGPT, random text)."""
+    path, n = cfg.trace_path, cfg.num_prompts
+    if cfg.dataset == "random":
+        return random_requests(cfg, n or DEFAULT_NUM_PROMPTS, rng, count)
+    assert path is not None  # checked by BenchConfig
+    if cfg.dataset == "sharegpt":
+        return sample_sharegpt(path, n or DEFAULT_NUM_PROMPTS, rng, count, cfg.file_output_len)
+    if cfg.dataset == "custom":
+        return load_custom(path, n, cfg.file_output_len)
+    requests = load_trace(path, n)
+    if cfg.chat and any(not isinstance(r.prompt, str) for r in requests):
+        raise TraceError(f"{path}: the chat API takes text prompts, not prompt_token_ids")
+    return requests
 
 
 def _trace_timed(cfg: BenchConfig, requests: list[BenchRequest]) -> bool:
@@ -128,15 +211,41 @@ def _http_client(cfg: BenchConfig) -> aiohttp.ClientSession:
     return open_session(cfg.request_timeout_s, cfg.max_concurrency, headers)
 
 
-async def _warm_up(
-    http: aiohttp.ClientSession, client: ClientConfig, cfg: BenchConfig, rng: np.random.Generator
-) -> None:
-    if cfg.num_warmups == 0:
-        return
-    requests = [
-        msgspec.structs.replace(r, output_len=min(r.output_len, WARMUP_MAX_TOKENS))
-        for r in sample_random(cfg.random, cfg.num_warmups, rng)
+def _workload(
+    cfg: BenchConfig,
+    data_rng: np.random.Generator,
+    warmup_rng: np.random.Generator,
+    count: CountTokens,
+) -> tuple[list[BenchRequest], list[BenchRequest]]:
+    """(measured requests, warm-up requests: random ones, whatever the dataset)."""
+    requests = build_requests(cfg, data_rng, count)
+    if not cfg.num_warmups:
+        return requests, []
+    warmups = random_requests(cfg, cfg.num_warmups, warmup_rng, count)
+    cap = WARMUP_MAX_TOKENS
+    return requests, [
+        msgspec.structs.replace(r, output_len=min(r.output_len, cap)) for r in warmups
     ]
+
+
+async def _build_workload(
+    http: aiohttp.ClientSession, cfg: BenchConfig, rngs: Sequence[np.random.Generator]
+) -> tuple[list[BenchRequest], list[BenchRequest]]:
+    """`_workload` in a thread, counting tokens with the server's /tokenize on this loop."""
+    counter = TokenCounter(http, cfg.tokenize_url or cfg.base_url, cfg.model)
+    loop = asyncio.get_running_loop()
+
+    def count(texts: Sequence[str]) -> list[int]:
+        return asyncio.run_coroutine_threadsafe(counter.count(texts), loop).result()
+
+    return await asyncio.to_thread(_workload, cfg, rngs[0], rngs[1], count)
+
+
+async def _warm_up(
+    http: aiohttp.ClientSession, client: ClientConfig, requests: list[BenchRequest]
+) -> None:
+    if not requests:
+        return
     clock = RunClock.start()
     errors = [(await send_request(http, client, r, clock)).error for r in requests]
     if all(errors):
@@ -194,14 +303,14 @@ def result_header(
     labels, date), as keyword arguments of `BenchResult`. `pdserve sim` builds its results
     with the same function so simulated and measured JSONs have the same header."""
     rate, burstiness = _offered(cfg, requests, offsets)
-    is_random = cfg.trace_path is None
+    is_random = cfg.dataset == "random"
     return {
         "date": datetime.now().strftime("%Y%m%d-%H%M%S"),
         "label": cfg.label,
         "model_id": model,
         "base_url": base_url,
         "endpoint": cfg.endpoint,
-        "dataset_name": "random" if is_random else "trace",
+        "dataset_name": cfg.dataset,
         "dataset_path": None if is_random else str(cfg.trace_path),
         "num_prompts": len(requests),
         "input_len": cfg.random.input_len if is_random else None,
@@ -215,6 +324,8 @@ def result_header(
         "goodput_config": dict(cfg.goodput) or None,
         "metadata": dict(cfg.metadata),
         "start_time_unix": start_time_unix,
+        "percentile_metrics": list(cfg.percentile_metrics),
+        "metric_percentiles": list(cfg.metric_percentiles),
     }
 
 
@@ -234,8 +345,10 @@ def _result(
         **result_header(
             cfg, requests, offsets, model=model, base_url=cfg.base_url, start_time_unix=clock.unix0
         ),
+        backend="openai-chat" if cfg.chat else "openai",
         host_cpu_busy=host_cpu[0],
         host_cpu_steal=host_cpu[1],
+        percentiles=extra_percentiles(records, cfg.percentile_metrics, cfg.metric_percentiles),
     )
 
 
@@ -244,12 +357,15 @@ async def run_benchmark(cfg: BenchConfig) -> BenchResult:
     (no model list, every warm-up failed) and TraceError for a bad trace; failures of
     individual measured requests are counted in the result instead."""
     data_rng, warmup_rng, arrival_rng = workload_rngs(cfg.seed)
-    requests = build_requests(cfg, data_rng)
     async with _http_client(cfg) as http:
+        # The dataset first: a bad file is reported before the server is asked anything.
+        requests, warmups = await _build_workload(http, cfg, (data_rng, warmup_rng))
         model = cfg.model or await first_model(http, cfg.base_url)
         url = cfg.base_url.rstrip("/") + cfg.endpoint
-        client = ClientConfig(url, model, cfg.ignore_eos, cfg.temperature, cfg.request_timeout_s)
-        await _warm_up(http, client, cfg, warmup_rng)
+        client = ClientConfig(
+            url, model, cfg.ignore_eos, cfg.temperature, cfg.request_timeout_s, chat=cfg.chat
+        )
+        await _warm_up(http, client, warmups)
         offsets = release_offsets(cfg, requests, arrival_rng)
         cpu_before = read_cpu_times()
         clock = RunClock.start()
@@ -266,62 +382,221 @@ def _key_value(item: str) -> tuple[str, str]:
     return key.strip(), value.strip()
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Flags of `pdserve bench serve` (names follow `vllm bench serve` where they exist)."""
-    target = parser.add_argument_group("endpoint")
-    target.add_argument("--base-url", default="http://127.0.0.1:8000")
-    target.add_argument("--endpoint", default="/v1/completions")
-    target.add_argument("--model", default=None, help="default: first model of /v1/models")
-    target.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
-    target.add_argument("--request-timeout", type=float, default=300.0, help="s per request")
+def _metric_list(text: str) -> tuple[str, ...]:
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    if not names or any(n not in LATENCY_METRICS for n in names):
+        raise argparse.ArgumentTypeError(
+            f"not a list of metrics: {text!r} (use some of {','.join(LATENCY_METRICS)})"
+        )
+    return names
 
-    data = parser.add_argument_group("workload")
-    data.add_argument(
+
+def _percentile_list(text: str) -> tuple[float, ...]:
+    try:
+        qs = tuple(float(q) for q in text.split(",") if q.strip())
+    except ValueError:
+        qs = ()
+    if not qs or not all(0 <= q <= 100 for q in qs):
+        raise argparse.ArgumentTypeError(f"not a list of percentiles in 0..100: {text!r}")
+    return qs
+
+
+def _add_endpoint(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("endpoint")
+    g.add_argument(
+        "--base-url", default=None, metavar="URL", help="server URL (default: http://HOST:PORT)"
+    )
+    g.add_argument(
+        "--host", default="127.0.0.1", metavar="HOST", help="server host without --base-url"
+    )
+    g.add_argument(
+        "--port", type=int, default=8000, metavar="N", help="server port without --base-url"
+    )
+    g.add_argument(
+        "--backend",
+        choices=sorted(BACKENDS),
+        default=None,
+        help="API to speak, as vLLM names it: vllm and openai send completion bodies to "
+        f"{COMPLETIONS_ENDPOINT}, openai-chat sends chat bodies to {CHAT_ENDPOINT} "
+        "(default: what --endpoint implies)",
+    )
+    g.add_argument(
+        "--endpoint",
+        default=None,
+        help=f"path of the API (default {COMPLETIONS_ENDPOINT}, or {CHAT_ENDPOINT} with "
+        "--backend openai-chat); a path ending in /chat/completions gets chat bodies",
+    )
+    g.add_argument("--model", default=None, help="model name sent; default: first of /v1/models")
+    g.add_argument(
+        "--api-key",
+        default=os.environ.get("OPENAI_API_KEY"),
+        help="bearer token (default: $OPENAI_API_KEY)",
+    )
+    g.add_argument(
+        "--request-timeout", type=float, default=300.0, help="seconds for one whole request"
+    )
+    g.add_argument(
+        "--tokenize-url",
+        default=None,
+        metavar="URL",
+        help="server whose POST /tokenize counts tokens for sharegpt lengths and random chat "
+        "text (default: --base-url; pdserve's router has none, give an instance's URL); "
+        "without one, 4 characters count as a token",
+    )
+
+
+def _add_workload(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("workload")
+    g.add_argument(
+        "--dataset-name",
+        choices=DATASETS,
+        default=None,
+        help="random: random token ids (text words for the chat API); sharegpt: vLLM's "
+        'ShareGPT JSON; custom: JSONL of {"prompt": ...}; trace: pdserve\'s JSONL trace '
+        "(default: trace with --dataset-path, else random)",
+    )
+    g.add_argument(
         "--dataset-path",
         "--trace",
         type=Path,
         default=None,
-        help="JSONL trace; default: the random dataset",
+        metavar="FILE",
+        help="file of the dataset",
     )
-    data.add_argument(
+    g.add_argument(
         "--ignore-trace-timing",
         action="store_true",
         help="use --request-rate even if the trace has arrival times",
     )
-    data.add_argument(
+    g.add_argument(
         "--num-prompts",
         type=int,
+        metavar="N",
         default=None,
-        help=f"default {DEFAULT_NUM_PROMPTS} (random) or the whole trace",
+        help=f"requests to send (default {DEFAULT_NUM_PROMPTS} for random and sharegpt, "
+        "the whole file for trace and custom)",
     )
-    data.add_argument("--input-len", type=int, default=1024)
-    data.add_argument("--output-len", type=int, default=128)
-    data.add_argument("--range-ratio", type=float, default=0.0)
-    data.add_argument("--vocab-size", type=int, default=256, help="random ids are below this")
-    data.add_argument("--token-offset", type=int, default=10, help="lowest random token id")
-    data.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True)
-    data.add_argument("--temperature", type=float, default=None)
+    g.add_argument(
+        "--random-input-len",
+        "--input-len",
+        dest="input_len",
+        type=int,
+        metavar="N",
+        default=1024,
+        help="random: prompt tokens (about that many with the chat API)",
+    )
+    g.add_argument(
+        "--random-output-len",
+        "--output-len",
+        dest="output_len",
+        type=int,
+        metavar="N",
+        default=128,
+        help="random: tokens to generate (max_tokens)",
+    )
+    g.add_argument(
+        "--random-range-ratio",
+        "--range-ratio",
+        dest="range_ratio",
+        type=float,
+        metavar="R",
+        default=0.0,
+        help="random: lengths uniform in [L(1-r), L(1+r)], 0 <= r < 1",
+    )
+    g.add_argument("--vocab-size", type=int, default=256, help="random: token ids are below this")
+    g.add_argument("--token-offset", type=int, default=10, help="random: lowest token id")
+    g.add_argument(
+        "--sharegpt-output-len",
+        "--custom-output-len",
+        dest="file_output_len",
+        type=int,
+        metavar="N",
+        default=None,
+        help="sharegpt: tokens to generate instead of the reply's length; custom: for every "
+        "line (default: the line's output_tokens or max_tokens, else 256)",
+    )
+    g.add_argument(
+        "--ignore-eos",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="ask the server to generate the full output length (default on)",
+    )
+    g.add_argument("--temperature", type=float, default=None, help="default: the server's")
 
-    load = parser.add_argument_group("load")
-    load.add_argument("--request-rate", type=float, default=math.inf, help="req/s; inf: all")
-    load.add_argument("--burstiness", type=float, default=1.0, help="gamma shape; 1: Poisson")
-    load.add_argument("--max-concurrency", type=int, default=None)
-    load.add_argument("--seed", type=int, default=0)
-    load.add_argument("--num-warmups", type=int, default=1)
 
-    out = parser.add_argument_group("output")
-    out.add_argument(
+def _add_load(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("load")
+    g.add_argument(
+        "--request-rate", type=float, default=math.inf, help="req/s (default inf: all at once)"
+    )
+    g.add_argument(
+        "--burstiness", type=float, default=1.0, help="gamma shape of the gaps; 1: Poisson"
+    )
+    g.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight")
+    g.add_argument("--seed", type=int, default=0, help="seeds prompts, warm-ups and arrivals")
+    g.add_argument(
+        "--num-warmups", type=int, default=1, help="short requests sent first, not measured"
+    )
+
+
+def _add_output(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("output")
+    g.add_argument(
         "--goodput",
         nargs="+",
         default=[],
         metavar="NAME:MS",
         help="SLOs for goodput, e.g. ttft:500 tpot:50",
     )
-    out.add_argument("--label", default=None)
-    out.add_argument("--metadata", nargs="*", type=_key_value, default=[], metavar="KEY=VALUE")
-    out.add_argument("--save-result", type=Path, default=None, metavar="FILE")
-    out.add_argument("--disable-tqdm", action="store_true")
-    out.add_argument(
+    g.add_argument("--label", default=None, help="name of the run (report series, file name)")
+    g.add_argument(
+        "--metadata",
+        nargs="*",
+        type=_key_value,
+        default=[],
+        metavar="KEY=VALUE",
+        help="labels saved with the result, e.g. mode=push",
+    )
+    g.add_argument(
+        "--save-result",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="FILE",
+        help="save the result JSON, to FILE or (without FILE) to --result-filename",
+    )
+    g.add_argument(
+        "--result-dir",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="folder of the saved result (implies --save-result)",
+    )
+    g.add_argument(
+        "--result-filename",
+        default=None,
+        metavar="NAME",
+        help="file name of the saved result (implies --save-result; default "
+        "{label or backend}-{rate}qps[-concurrency{N}]-{model}-{date}.json)",
+    )
+    g.add_argument(
+        "--percentile-metrics",
+        type=_metric_list,
+        default=LATENCY_METRICS,
+        metavar="LIST",
+        help="metrics shown in the summary, with their percentiles (default "
+        f"{','.join(LATENCY_METRICS)}; vLLM's is ttft,tpot,itl)",
+    )
+    g.add_argument(
+        "--metric-percentiles",
+        type=_percentile_list,
+        default=DEFAULT_PERCENTILES,
+        metavar="LIST",
+        help="percentiles shown and saved as p{q}_{metric}_ms (default 90,99; p90 and p99 "
+        "are always saved)",
+    )
+    g.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
+    g.add_argument(
         "--cpus",
         type=parse_cpu_list,
         default=None,
@@ -331,6 +606,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "on the prefill instances' cores): a client the scheduler moves onto D's core "
         "delays D's steps and inflates the TPOT it measures",
     )
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of `pdserve bench serve`: `vllm bench serve`'s names for the same things, and
+    pdserve's older spellings (--input-len, --trace, ...) as aliases."""
+    _add_endpoint(parser)
+    _add_workload(parser)
+    _add_load(parser)
+    _add_output(parser)
 
 
 def parse_cpu_list(text: str) -> frozenset[int]:
@@ -347,13 +631,24 @@ def parse_cpu_list(text: str) -> frozenset[int]:
     return frozenset(cpus)
 
 
+def _endpoint(args: argparse.Namespace) -> str:
+    if args.endpoint is None:
+        return BACKENDS[args.backend or "openai"]
+    if args.backend is not None and is_chat_endpoint(args.endpoint) != (
+        args.backend == "openai-chat"
+    ):
+        raise ValueError(f"--backend {args.backend} does not speak --endpoint {args.endpoint}")
+    return args.endpoint
+
+
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
     """BenchConfig from parsed flags; ValueError for an invalid combination."""
     return BenchConfig(
-        base_url=args.base_url,
-        endpoint=args.endpoint,
+        base_url=args.base_url or f"http://{args.host}:{args.port}",
+        endpoint=_endpoint(args),
         model=args.model,
         label=args.label,
+        dataset_name=args.dataset_name,
         random=RandomDatasetConfig(
             input_len=args.input_len,
             output_len=args.output_len,
@@ -362,6 +657,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
             token_offset=args.token_offset,
         ),
         trace_path=args.dataset_path,
+        file_output_len=args.file_output_len,
+        tokenize_url=args.tokenize_url,
         use_trace_timing=not args.ignore_trace_timing,
         num_prompts=args.num_prompts,
         arrivals=ArrivalConfig(request_rate=args.request_rate, burstiness=args.burstiness),
@@ -375,23 +672,55 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         api_key=args.api_key,
         metadata=tuple(args.metadata),
         disable_tqdm=args.disable_tqdm,
+        percentile_metrics=tuple(args.percentile_metrics),
+        metric_percentiles=tuple(args.metric_percentiles),
     )
 
 
+def _check_save_flags(args: argparse.Namespace) -> None:
+    if args.save_result and args.result_filename:
+        raise ValueError("give the file name once: --save-result FILE or --result-filename")
+
+
+def default_result_filename(result: BenchResult) -> str:
+    """vLLM's shape: {label or backend}-{rate}qps[-concurrency{N}]-{model}-{date}.json, with
+    the model's last path part and any character other than [A-Za-z0-9._-] as '-'."""
+    rate = "inf" if math.isinf(result.rate) else f"{result.rate:g}"
+    concurrency = f"-concurrency{result.max_concurrency}" if result.max_concurrency else ""
+    model = result.model_id.rstrip("/").split("/")[-1]
+    name = f"{result.label or result.backend}-{rate}qps{concurrency}-{model}-{result.date}"
+    return re.sub(r"[^A-Za-z0-9._-]", "-", name) + ".json"
+
+
+def result_path(args: argparse.Namespace, result: BenchResult) -> Path | None:
+    """Where to save the result (None: not asked): --save-result FILE, else --result-filename,
+    else the default name; under --result-dir when given."""
+    if args.save_result is None and args.result_dir is None and args.result_filename is None:
+        return None
+    name = args.save_result or args.result_filename or default_result_filename(result)
+    return (args.result_dir or Path()) / name
+
+
 def main(args: argparse.Namespace) -> int:
-    """Run, print the summary, save the JSON if asked. 1 if nothing completed."""
+    """Run, print the summary, save the JSON if asked. 1 if nothing completed, 2 for flags
+    that do not go together."""
     from pdserve.bench.report import format_run  # matplotlib stays out of the import path
 
     try:
+        _check_save_flags(args)
+        cfg = config_from_args(args)
+    except ValueError as exc:
+        print(f"pdserve bench serve: error: {exc}", file=sys.stderr)
+        return 2
+    try:
         if args.cpus is not None:  # before any thread starts, so every thread inherits it
             os.sched_setaffinity(0, args.cpus)
-        cfg = config_from_args(args)
         result = asyncio.run(run_benchmark(cfg))
     except (EndpointError, TraceError, ValueError, OSError) as exc:
         print(f"pdserve bench serve: {exc}", file=sys.stderr)
         return 1
     print(format_run(result))
-    if args.save_result is not None:
-        save_result(result, args.save_result)
-        print(f"saved {args.save_result}")
+    if (path := result_path(args, result)) is not None:
+        save_result(result, path)
+        print(f"saved {path}")
     return 0 if result.completed else 1
