@@ -299,9 +299,7 @@ def test_up_restarts_a_killed_child_and_sigterm_stops_all(tmp_path: Path) -> Non
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        _stop_up(proc)
     for pid in (*pids.values(), new_pid):
         _assert_gone(pid)
 
@@ -316,10 +314,58 @@ def test_up_stops_with_status_1_once_no_decode_instance_is_left(tmp_path: Path) 
         assert proc.wait(30) == 1
         out = proc.stdout.read() if proc.stdout else ""
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        _stop_up(proc)
     assert "decode-0" in out and "giving up on it" in out
     assert "every decode instance was given up" in out
     for pid in pids.values():
         _assert_gone(pid)
+
+
+def _processes_with(*parts: str) -> list[int]:
+    """PIDs of live processes whose command line contains every one of `parts`."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z" and all(p in cmdline for p in parts):
+            found.append(int(entry.name))
+    return found
+
+
+@pytest.mark.slow  # `pdserve up` with fake instances
+@pytest.mark.timeout(120)
+def test_sigterm_during_a_restart_stops_the_restarted_child_too(tmp_path: Path) -> None:
+    proc, lines = _run_up(tmp_path, "--kv-transfer", "push")
+    try:
+        pids = _pids(lines)
+        row = next(line for line in lines if line.split()[:1] == ["decode"])
+        port = row.split()[1].rsplit(":", 1)[1]
+        os.kill(pids["decode"], signal.SIGKILL)
+        _read_until(proc, "restarting in 0.5 s", lines)
+        deadline = time.monotonic() + 30
+        while not _processes_with("test_router_fake_instance.py", "--port", port):
+            assert time.monotonic() < deadline, "the restart never started"
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGTERM)  # the restarted child has just started: stop now
+        assert proc.wait(30) == 0
+    finally:
+        _stop_up(proc)
+    for pid in pids.values():
+        _assert_gone(pid)
+    assert _processes_with("test_router_fake_instance.py", "--port", port) == []
+
+
+def _stop_up(proc: subprocess.Popen[str]) -> None:
+    """After a failure: SIGTERM first, so that `pdserve up` still stops its children."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

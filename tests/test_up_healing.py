@@ -369,9 +369,7 @@ def test_up_command_brings_a_killed_decode_instance_back(tmp_path: Path) -> None
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        _stop_up(proc)
     assert all(_pid_gone(pid) for pid in (*pids.values(), new_pid)), pids
 
 
@@ -380,3 +378,14 @@ def _post_status(url: str, body: dict) -> int:
         return httpx.post(url, json=body, timeout=30, trust_env=False).status_code
     except httpx.HTTPError:
         return 0
+
+
+def _stop_up(proc: subprocess.Popen[str]) -> None:
+    """After a failure: SIGTERM first, so that `pdserve up` still stops its children."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
