@@ -25,10 +25,11 @@ with one prefill instance's compute (`mono1` in `pdserve bench sweep`).
 Monolithic (`--monolithic`): one `--role both` instance and no router; `router_url` is then
 the instance's URL, so a benchmark reaches the floor through the same API.
 
-Cluster token: every instance gets one in `$PDSERVE_CLUSTER_TOKEN` (the config's, else the
-launcher's own environment's, else a fresh `secrets.token_hex`), so side-channel and
-transport authentication is on in every local cluster; it travels in the environment, never
-on a command line (those are logged and visible in `ps`). `pdserve up` writes it, mode 0600,
+Cluster token: every instance and the router get one in `$PDSERVE_CLUSTER_TOKEN` (the
+config's, else the launcher's own environment's, else a fresh `secrets.token_hex`), so
+side-channel and transport authentication is on in every local cluster (the router uses it
+for its authenticated calls to the instances); it travels in the environment, never on a
+command line (those are logged and visible in `ps`). `pdserve up` writes it, mode 0600,
 to `<log dir>/cluster-token` for instances started by hand later.
 
 Ports: the launcher picks every port of a start at once, all distinct (`pdserve.ports`). A
@@ -38,7 +39,17 @@ counts only when the child itself listens on its port, not some other process th
 
 Restarts: each P/D instance gets fixed HTTP and side-channel ports, so
 `restart_instance(name)` (SIGKILL by PID, then the same command again) brings it back
-where routers and peers look for it, as a new incarnation.
+where routers and peers look for it, as a new incarnation. `respawn(name)` does the same
+for an instance or the router without waiting for health; the router keeps its port too.
+
+Supervision (`pdserve up`): after the start, `main` hands the cluster to a
+`pdserve.supervisor.Supervisor`, which restarts any child that dies (with backoff, giving up
+after `--max-restarts` failures within `--restart-window`) and prints a status line for
+each restart and return. `up` ends with exit status 1 only once the cluster cannot serve
+(router, every decode instance or the monolithic instance given up); Ctrl-C or SIGTERM
+stops every child by PID, one being restarted included: once the cluster is supervised, a
+signal only asks the supervisor's loop to return (`_StopRequest`), so it never interrupts a
+restart between the child's start and its recording.
 """
 
 from __future__ import annotations
@@ -52,16 +63,21 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import httpx
 
 from pdserve.ports import EXIT_ADDRESS_IN_USE, free_ports, listens
+from pdserve.restarts import GiveUp, RestartPolicy
 from pdserve.router.config import POLICY_NAMES
+
+if TYPE_CHECKING:
+    from pdserve.supervisor import Event
 
 log = logging.getLogger(__name__)
 
@@ -258,7 +274,7 @@ class Cluster:
             for spec in self.instance_specs(ports):
                 self.instances.append(self._start_instance(spec))
             if not self.config.monolithic:
-                self.router = self._start_router(router_port)
+                self.router = self._start_router(self.config.port or router_port)
             _wait_healthy(self.instances, deadline)
             if self.router is not None:
                 _wait_healthy([self.router], deadline)
@@ -290,6 +306,12 @@ class Cluster:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
+    def process(self, name: str) -> ManagedProcess:
+        """The instance or router called `name` ("router" for the router); KeyError if none."""
+        if self.router is not None and name == self.router.name:
+            return self.router
+        return self.instance(name)
+
     def instance(self, name: str) -> ManagedProcess:
         """The instance called `name` ("prefill-0", "decode-1", "both-0"); KeyError if none."""
         for p in self.instances:
@@ -309,13 +331,28 @@ class Cluster:
         """Start `name` again with the same command, ports and cores (SIGKILL first if it is
         still running) and wait until it is healthy; the new process replaces the old one
         in `instances`. Its log goes on in the same file."""
-        old = self.kill_instance(name)
+        new = self.respawn(name)
+        deadline = time.monotonic() + (timeout_s or self.config.startup_timeout_s)
+        _wait_healthy([new], deadline)
+        return new
+
+    def respawn(self, name: str) -> ManagedProcess:
+        """Start the instance or router `name` again on its ports and cores (SIGKILL and reap
+        first if it still runs) and return at once, without waiting for its health (the
+        caller polls `is_healthy`). The new process replaces the old one, where `stop` finds
+        it. (A KeyboardInterrupt raised inside this call could leave the new process out of
+        `stop`'s reach; `pdserve up` therefore turns signals into a stop request instead.)"""
+        old = self.process(name)
+        if old.alive():
+            old.popen.kill()
+        old.popen.wait()
+        if old is self.router:
+            self.router = self._start_router(_port_of(old.url), restarts=old.restarts + 1)
+            return self.router
         if old.spec is None:
             raise RuntimeError(f"{name} has no spec to restart from")
         new = self._start_instance(old.spec, restarts=old.restarts + 1)
         self.instances[self.instances.index(old)] = new
-        deadline = time.monotonic() + (timeout_s or self.config.startup_timeout_s)
-        _wait_healthy([new], deadline)
         return new
 
     # -- queries --------------------------------------------------------------------------
@@ -431,9 +468,8 @@ class Cluster:
             os.sched_setaffinity(proc.pid, spec.cores)
         return proc
 
-    def _start_router(self, free_port: int) -> ManagedProcess:
+    def _start_router(self, port: int, restarts: int = 0) -> ManagedProcess:
         c = self.config
-        port = c.port or free_port
         urls = {r: [p.url for p in self.instances if p.role == r] for r in ("prefill", "decode")}
         cmd = [
             sys.executable,
@@ -461,8 +497,11 @@ class Cluster:
             cmd += ["--log-level", c.router_log_level]
         url = f"http://{_connect_host(c.host)}:{port}"
         cores = self._prefill_cores()
-        proc = self._spawn("router", "router", cmd, self._child_env(threads=None), url, cores)
-        proc.ports_picked = c.port is None
+        # The router gets the cluster token too (for authenticated calls to the instances),
+        # in its environment like theirs.
+        env = {**self._child_env(threads=None), TOKEN_ENV: self.cluster_token}
+        proc = self._spawn("router", "router", cmd, env, url, cores, append=restarts > 0)
+        proc.ports_picked, proc.restarts = c.port is None, restarts
         if cores is not None:
             os.sched_setaffinity(proc.pid, cores)
         return proc
@@ -518,6 +557,10 @@ def _connect_host(bind_host: str) -> str:
     return "127.0.0.1" if bind_host in ("0.0.0.0", "", "::") else bind_host
 
 
+def _port_of(url: str) -> int:
+    return httpx.URL(url).port or 80
+
+
 def _thread_affinities(pid: int) -> Iterator[tuple[int, set[int]]]:
     with contextlib.suppress(FileNotFoundError):
         for tid in os.listdir(f"/proc/{pid}/task"):
@@ -539,7 +582,7 @@ def _wait_healthy(procs: Sequence[ManagedProcess], deadline: float) -> None:
                         f"{p.log_path}:\n{p.log_tail()}",
                         port_in_use=p.ports_picked and p.popen.returncode == EXIT_ADDRESS_IN_USE,
                     )
-                if _healthy(client, p):
+                if is_healthy(client, p):
                     pending.remove(p)
             if pending and time.monotonic() > deadline:
                 tails = "\n".join(f"--- {p.name} ({p.log_path}):\n{p.log_tail()}" for p in pending)
@@ -549,14 +592,14 @@ def _wait_healthy(procs: Sequence[ManagedProcess], deadline: float) -> None:
                 time.sleep(0.2)
 
 
-def _healthy(client: httpx.Client, p: ManagedProcess) -> bool:
+def is_healthy(client: httpx.Client, p: ManagedProcess) -> bool:
     """`p` answers /health 200, and it is `p` that answers: a process that another one
     beat to its port must not pass for healthy on that one's answers."""
     try:
         ok = client.get(f"{p.url}/health").status_code == 200
     except httpx.HTTPError:
         return False
-    return ok and listens(p.pid, httpx.URL(p.url).port or 80)
+    return ok and listens(p.pid, _port_of(p.url))
 
 
 # -- the `pdserve up` command ---------------------------------------------------------------
@@ -619,9 +662,69 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="use only these cores, shared out as without it, e.g. '0' or '0,1' (default: all "
         "this process may use); '--monolithic --cores 0' is the one-core baseline",
     )
-    parser.add_argument("--startup-timeout", type=float, default=300.0, metavar="S")
+    parser.add_argument(
+        "--startup-timeout",
+        type=float,
+        default=300.0,
+        metavar="S",
+        help="how long a start (or a restart) may take to become healthy (default: %(default)s)",
+    )
+    _add_restart_arguments(parser)
     parser.add_argument(
         "instance_args", nargs=argparse.REMAINDER, help="-- then extra arguments for every instance"
+    )
+
+
+def _add_restart_arguments(parser: argparse.ArgumentParser) -> None:
+    """The supervision flags: a child that dies is started again on its ports."""
+    d = RestartPolicy()
+    group = parser.add_argument_group(
+        "supervision",
+        "A process that dies (prefill, decode or router) is started again on the same ports, "
+        "after a backoff that doubles from --restart-backoff up to --restart-backoff-max; the "
+        "others keep serving meanwhile. After more than --max-restarts failures within "
+        "--restart-window seconds it is given up: without prefill instances the cluster goes "
+        "on (the router prefills on the decode instances); without the router, any decode "
+        "instance or (--monolithic) the instance it stops, with exit status 1.",
+    )
+    group.add_argument(
+        "--max-restarts",
+        type=int,
+        default=d.max_restarts,
+        metavar="N",
+        help="restarts of one process allowed within the window (0: never restart; "
+        "default: %(default)s)",
+    )
+    group.add_argument(
+        "--restart-window",
+        type=float,
+        default=d.window_s,
+        metavar="S",
+        help="seconds over which a process's failures are counted (default: %(default)s)",
+    )
+    group.add_argument(
+        "--restart-backoff",
+        type=float,
+        default=d.backoff_s,
+        metavar="S",
+        help="delay before the first restart within the window (default: %(default)s)",
+    )
+    group.add_argument(
+        "--restart-backoff-max",
+        type=float,
+        default=d.backoff_max_s,
+        metavar="S",
+        help="the doubling delay stops here (default: %(default)s)",
+    )
+
+
+def restart_policy_from_args(args: argparse.Namespace) -> RestartPolicy:
+    """The `RestartPolicy` of parsed `pdserve up` arguments (ValueError if inconsistent)."""
+    return RestartPolicy(
+        max_restarts=args.max_restarts,
+        window_s=args.restart_window,
+        backoff_s=args.restart_backoff,
+        backoff_max_s=args.restart_backoff_max,
     )
 
 
@@ -663,23 +766,31 @@ def config_from_args(args: argparse.Namespace) -> ClusterConfig:
 
 
 def main(args: argparse.Namespace) -> int:
-    """Start the cluster, print where it is, and stop it on Ctrl-C, SIGTERM or a child's death."""
+    """Start the cluster, print where it is, and supervise it (restarting children that die)
+    until Ctrl-C or SIGTERM, or until it cannot serve any more (exit status 1)."""
+    # Imported here: the supervisor is built on this module's `Cluster`.
+    from pdserve.supervisor import Supervisor
+
     logging.basicConfig(level=logging.INFO, format="pdserve up: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per health poll otherwise
+    try:
+        policy = restart_policy_from_args(args)
+    except ValueError as exc:
+        print(f"pdserve up: {exc}", file=sys.stderr, flush=True)
+        return 2
     cluster = Cluster(config_from_args(args))
-    previous = {s: signal.signal(s, _interrupt) for s in (signal.SIGTERM, signal.SIGHUP)}
+    stop = _StopRequest()
+    previous = {s: signal.signal(s, stop.on_signal) for s in _STOP_SIGNALS}
     try:
         print(f"pdserve up: starting; logs in {cluster.log_dir}", flush=True)
         cluster.start()
         _print_summary(cluster, cluster.write_token_file())
-        dead = cluster.wait()
-        print(
-            f"pdserve up: {dead.name} (pid {dead.pid}) exited with code "
-            f"{dead.popen.returncode}; stopping the cluster. Its log ends:\n{dead.log_tail()}",
-            file=sys.stderr,
-            flush=True,
-        )
-        return 1
+        supervisor = Supervisor(cluster, policy, on_event=lambda e: _print_event(cluster, e))
+        stop.supervising = True
+        if supervisor.run(stop.requested) is not None:
+            return 1  # the cluster cannot serve any more (the supervisor said why)
+        print("pdserve up: stopping", flush=True)
+        return 0
     except KeyboardInterrupt:
         print("pdserve up: stopping", flush=True)
         return 0
@@ -692,8 +803,23 @@ def main(args: argparse.Namespace) -> int:
             signal.signal(sig, handler)
 
 
-def _interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt(signal.Signals(signum).name)
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+class _StopRequest:
+    """What Ctrl-C, SIGTERM and SIGHUP do in `pdserve up` (owned by `main`): while the
+    cluster starts, raise KeyboardInterrupt (`Cluster.start` stops what it started); once it
+    is supervised, set `requested`, which ends the supervisor's loop between two steps, so
+    that a child being restarted is always recorded where `Cluster.stop` finds it."""
+
+    def __init__(self) -> None:
+        self.requested = threading.Event()
+        self.supervising = False
+
+    def on_signal(self, signum: int, frame: object) -> None:
+        if not self.supervising:
+            raise KeyboardInterrupt(signal.Signals(signum).name)
+        self.requested.set()
 
 
 def _print_summary(cluster: Cluster, token_path: Path) -> None:
@@ -701,7 +827,32 @@ def _print_summary(cluster: Cluster, token_path: Path) -> None:
     what = "monolithic" if c.monolithic else f"kv-transfer {c.kv_transfer}, policy {c.policy}"
     print(f"\npdserve up: ready ({what})\n  URL      {cluster.router_url}", flush=True)
     for p in cluster.processes:
-        cores = ",".join(map(str, p.cores)) if p.cores else "-"
-        print(f"  {p.role:<8} {p.url:<24} pid {p.pid:<8} cores {cores:<6} log {p.log_path}")
+        print(_status_row(p))
     print(f"  cluster token in {token_path}", flush=True)
     print("Ctrl-C stops everything.", flush=True)
+
+
+def _status_row(p: ManagedProcess) -> str:
+    """One process's line of the status table (printed again after each restart)."""
+    cores = ",".join(map(str, p.cores)) if p.cores else "-"
+    return (
+        f"  {p.role:<8} {p.url:<24} pid {p.pid:<8} cores {cores:<6} "
+        f"restarts {p.restarts:<3} log {p.log_path}"
+    )
+
+
+def _print_event(cluster: Cluster, event: Event) -> None:
+    """A supervisor's event as `pdserve up` status lines: restarts on stdout (with the
+    process's updated table row once it is back), give-ups and the end on stderr."""
+    from pdserve.supervisor import ChildBack, ChildFailed, describe
+
+    line = f"pdserve up: {describe(event)}"
+    if isinstance(event, ChildBack):
+        print(f"{line}\n{_status_row(cluster.process(event.name))}", flush=True)
+    elif isinstance(event, ChildFailed) and not isinstance(event.verdict, GiveUp):
+        print(line, flush=True)
+    else:
+        tail = ""
+        if isinstance(event, ChildFailed):
+            tail = f" Its log ends:\n{cluster.process(event.name).log_tail()}"
+        print(f"{line}{tail}", file=sys.stderr, flush=True)

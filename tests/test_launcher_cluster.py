@@ -284,23 +284,6 @@ def test_up_command_stops_everything_on_sigterm(tmp_path: Path) -> None:
         _assert_gone(pid)
 
 
-@pytest.mark.slow  # a 3-process cluster
-def test_up_command_stops_everything_when_a_child_dies(tmp_path: Path) -> None:
-    proc, lines = _run_up(tmp_path, "--kv-transfer", "pull")
-    try:
-        pids = _pids(lines)
-        os.kill(pids["prefill"], signal.SIGKILL)
-        assert proc.wait(30) == 1
-        out = proc.stdout.read() if proc.stdout else ""
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    assert "prefill-0" in out and "exited" in out
-    for pid in pids.values():
-        _assert_gone(pid)
-
-
 # -- ports: a child whose port was taken ------------------------------------------------------
 
 

@@ -17,8 +17,17 @@ A soak, in order:
 5. stop the cluster, start a monolithic instance of the same model and replay a sample of
    the completed requests one at a time with greedy sampling; compare token ids.
 
+Kill mode (`kill_every_s`, `--kill-every S`) replaces step 3's single restart: the cluster
+is supervised as `pdserve up` supervises it (`pdserve.supervisor.Supervisor`, on a thread,
+stopped before the cluster is), and every S seconds of the traffic a random process of
+`kill_roles` (prefill, decode, router; seeded by `seed`) is SIGKILLed by PID; the
+supervisor restarts it on its ports (`pdserve.bench.soak_kills`). The report adds each
+kill (when, the PIDs and incarnations, when it was back), the restarts per process and
+any process given up or not back, which fails the soak like a leak does.
+
 The soak owns every process it starts (through `Cluster`) and stops them by PID. The exit
-status is 1 when any block leaked or any output was wrong, 2 when the soak could not run.
+status is 1 when any block leaked, any output was wrong or a killed process did not come
+back, 2 when the soak could not run.
 """
 
 from __future__ import annotations
@@ -40,10 +49,18 @@ import numpy as np
 from tqdm import tqdm
 
 from pdserve.bench.client import EndpointError, first_model, open_session
+from pdserve.bench.soak_kills import (
+    KILL_ROLES,
+    KillRole,
+    plan_kills,
+    run_kills,
+    soak_restart_policy,
+)
 from pdserve.bench.soak_report import (
     MAX_FAILED_SAVED,
     FailedRequest,
     InstanceBlocks,
+    KillInfo,
     Mismatch,
     RestartInfo,
     SoakResult,
@@ -69,6 +86,7 @@ from pdserve.bench.soak_traffic import (
 )
 from pdserve.keepalive import client_limits
 from pdserve.launcher import Cluster, ClusterConfig, ClusterError
+from pdserve.supervisor import Event, Supervisor, describe
 
 PREFILL = "prefill-0"
 # After the restarted P answers /health, the router needs its health round (1 s by default)
@@ -92,6 +110,11 @@ class SoakConfig:
     target_load: float = 0.9
     traffic: TrafficConfig = field(default_factory=TrafficConfig)
     restart_at: float | None = 0.5  # fraction of duration_s; None: no restart
+    # Kill mode: every kill_every_s a random process of kill_roles is SIGKILLed and the
+    # supervised cluster restarts it (pdserve.bench.soak_kills); None: off. Excludes
+    # restart_at.
+    kill_every_s: float | None = None
+    kill_roles: tuple[KillRole, ...] = KILL_ROLES
     max_concurrency: int = 32
     oracle_sample: float = 0.1
     request_timeout_s: float = 120.0
@@ -111,6 +134,11 @@ class SoakConfig:
             raise ValueError("restart_at must be a fraction in (0, 1)")
         if not 0.0 <= self.oracle_sample <= 1.0 or not self.target_load > 0:
             raise ValueError("oracle_sample must be in [0, 1] and target_load > 0")
+        if self.kill_every_s is not None:
+            if not self.kill_every_s > 0 or self.restart_at is not None:
+                raise ValueError("kill_every_s must be > 0, and excludes restart_at")
+            if not self.kill_roles or not set(self.kill_roles) <= set(KILL_ROLES):
+                raise ValueError(f"kill_roles: one or more of {', '.join(KILL_ROLES)}")
 
     @property
     def show_progress(self) -> bool:
@@ -128,10 +156,15 @@ class _Traffic:
     restart: RestartInfo | None
     instances: list[InstanceBlocks]
     drain_s: float
+    kills: list[KillInfo] = field(default_factory=list)
+    restarts: dict[str, int] = field(default_factory=dict)  # per process
+    given_up: list[str] = field(default_factory=list)
 
 
 def _rngs(seed: int) -> list[np.random.Generator]:
-    return [np.random.default_rng(s) for s in np.random.SeedSequence(seed).spawn(4)]
+    """Independent streams: arrivals, requests, warm-up, oracle sample, kills (adding one
+    at the end leaves the others as they were)."""
+    return [np.random.default_rng(s) for s in np.random.SeedSequence(seed).spawn(5)]
 
 
 def _http(cfg: SoakConfig) -> httpx.AsyncClient:
@@ -284,7 +317,9 @@ async def _release(
         spawn(req)
 
 
-async def _run_traffic(cluster: Cluster, cfg: SoakConfig) -> _Traffic:
+async def _run_traffic(
+    cluster: Cluster, cfg: SoakConfig, supervisor: Supervisor | None = None
+) -> _Traffic:
     rngs = _rngs(cfg.seed)
     async with _http(cfg) as http:
         url = f"{cluster.router_url}/v1/completions"
@@ -314,16 +349,35 @@ async def _run_traffic(cluster: Cluster, cfg: SoakConfig) -> _Traffic:
         if cfg.restart_at is not None:
             at = cfg.restart_at * cfg.duration_s
             restart = asyncio.create_task(_restart_prefill(cluster, http, at, t0))
+        kills = None
+        if supervisor is not None and cfg.kill_every_s is not None:
+            times = plan_kills(cfg.kill_every_s, cfg.duration_s)
+            back_s = cluster.config.startup_timeout_s
+            kills = asyncio.create_task(
+                run_kills(supervisor, cfg.kill_roles, times, t0, rngs[4], back_s)
+            )
         try:
             await _release(cfg, rate, rngs, spawn, t0)
             await ticker
             outcomes = list(await asyncio.gather(*tasks))
             restart_info = await restart if restart is not None else None
+            kill_infos = await kills if kills is not None else []
         finally:
             progress.close()
         instances = await drain(http, cluster, cfg.drain_timeout_s)
         drain_s = time.monotonic() - t0 - cfg.duration_s
-    return _Traffic(model, rate, requests, outcomes, restart_info, instances, drain_s)
+    return _Traffic(
+        model,
+        rate,
+        requests,
+        outcomes,
+        restart_info,
+        instances,
+        drain_s,
+        kills=kill_infos,
+        restarts={p.name: p.restarts for p in cluster.processes},
+        given_up=supervisor.given_up() if supervisor is not None else [],
+    )
 
 
 async def _replay(
@@ -430,6 +484,11 @@ def _result(
         ],
         load_average=os.getloadavg(),
         log_dir=str(log_dir),
+        kill_every_s=cfg.kill_every_s,
+        kill_roles=list(cfg.kill_roles) if cfg.kill_every_s is not None else [],
+        kills=t.kills,
+        restarts=t.restarts,
+        given_up=t.given_up,
     )
 
 
@@ -449,12 +508,22 @@ def run_soak(cfg: SoakConfig) -> tuple[SoakResult, Path]:
         pin_cores=cfg.pin_cores,
     )
     with Cluster(cluster_cfg) as cluster:
-        traffic = asyncio.run(_run_traffic(cluster, cfg))
+        if cfg.kill_every_s is None:
+            traffic = asyncio.run(_run_traffic(cluster, cfg))
+        else:
+            policy = soak_restart_policy(cfg.kill_every_s, cfg.duration_s)
+            supervisor = Supervisor(cluster, policy, on_event=_log_event)
+            with supervisor.background():  # stopped before the cluster is
+                traffic = asyncio.run(_run_traffic(cluster, cfg, supervisor))
     oracle = run_oracle(cfg, run_dir / "oracle", traffic, _rngs(cfg.seed)[3])
     result = _result(cfg, traffic, oracle, run_dir, date)
     path = run_dir / "result.json"
     path.write_bytes(msgspec.json.format(msgspec.json.encode(result)))
     return result, path
+
+
+def _log_event(event: Event) -> None:
+    print(f"soak: {describe(event)}", file=sys.stderr, flush=True)
 
 
 # -- CLI ------------------------------------------------------------------------------------
@@ -488,6 +557,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--restart-at", type=float, default=d.restart_at, metavar="FRACTION")
     parser.add_argument("--no-restart", action="store_true", help="no prefill restart")
+    parser.add_argument(
+        "--kill-every",
+        type=float,
+        metavar="S",
+        help="kill mode: every S seconds, SIGKILL a random process of --kill-roles (drawn "
+        "with --seed) of a cluster supervised as by 'pdserve up', which restarts it; the "
+        "report adds the kills, restarts and processes not back. Replaces the single "
+        "prefill restart (--restart-at)",
+    )
+    parser.add_argument(
+        "--kill-roles",
+        type=_kill_roles,
+        default=d.kill_roles,
+        metavar="LIST",
+        help=f"roles the kill mode draws from, comma-separated (default: {','.join(d.kill_roles)})",
+    )
     parser.add_argument("--max-concurrency", type=int, default=d.max_concurrency)
     parser.add_argument("--oracle-sample", type=float, default=d.oracle_sample, metavar="FRACTION")
     parser.add_argument("--request-timeout", type=float, default=d.request_timeout_s, metavar="S")
@@ -497,6 +582,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-pin", action="store_true", help="do not pin instances to cores")
     parser.add_argument("--disable-tqdm", action="store_true")
     parser.add_argument("instance_args", nargs=argparse.REMAINDER, help="-- then instance flags")
+
+
+def _kill_roles(text: str) -> tuple[KillRole, ...]:
+    roles = tuple(r.strip() for r in text.split(",") if r.strip())
+    if not roles or not set(roles) <= set(KILL_ROLES):
+        raise argparse.ArgumentTypeError(f"roles from {','.join(KILL_ROLES)}, got {text!r}")
+    return roles  # type: ignore[return-value]
 
 
 def config_from_args(args: argparse.Namespace) -> SoakConfig:
@@ -515,7 +607,9 @@ def config_from_args(args: argparse.Namespace) -> SoakConfig:
             abort_fraction=args.abort_fraction,
             abort_window_s=args.abort_window,
         ),
-        restart_at=None if args.no_restart else args.restart_at,
+        restart_at=None if args.no_restart or args.kill_every else args.restart_at,
+        kill_every_s=args.kill_every,
+        kill_roles=args.kill_roles,
         max_concurrency=args.max_concurrency,
         oracle_sample=args.oracle_sample,
         request_timeout_s=args.request_timeout,

@@ -219,6 +219,22 @@ class RestartInfo(msgspec.Struct, kw_only=True):
     new_incarnation: str | None
 
 
+class KillInfo(msgspec.Struct, kw_only=True):
+    """One kill of the kill mode (`--kill-every`), in seconds from the start of the traffic.
+    `skipped`: the process was not running then (still being restarted), so nothing was
+    killed. `back_s` None: not back within the soak's wait (see `soak_kills`)."""
+
+    instance: str  # "prefill-0", "decode-0", "router"
+    role: str
+    killed_s: float
+    skipped: bool = False
+    back_s: float | None = None
+    old_pid: int | None = None
+    new_pid: int | None = None
+    old_incarnation: str | None = None  # instances only
+    new_incarnation: str | None = None
+
+
 def phase_of(sent_s: float, restart: RestartInfo | None) -> Phase:
     """before the kill, during the outage (kill to settled), after it settled."""
     if restart is None or sent_s < restart.killed_s:
@@ -283,6 +299,18 @@ class SoakResult(msgspec.Struct, kw_only=True):
     failed_requests: list[FailedRequest]  # the first MAX_FAILED_SAVED
     load_average: tuple[float, float, float]
     log_dir: str
+    # Kill mode (`--kill-every`); empty or None otherwise. `restarts`: times each process
+    # was started again (also the single prefill restart), `given_up`: processes the
+    # supervisor gave up on.
+    kill_every_s: float | None = None
+    kill_roles: list[str] = []
+    kills: list[KillInfo] = []
+    restarts: dict[str, int] = {}
+    given_up: list[str] = []
+
+    @property
+    def restarts_total(self) -> int:
+        return sum(self.restarts.values())
 
 
 def latency_percentiles(latencies: Sequence[float]) -> tuple[float | None, float | None]:
@@ -298,9 +326,16 @@ def total_leaked(instances: Iterable[InstanceBlocks]) -> int:
     return sum(b.leaked if b.leaked >= 0 else 1 for b in instances)
 
 
+def not_healed(result: SoakResult) -> list[str]:
+    """Processes of the kill mode that did not come back (given up, or not back in time)."""
+    late = [k.instance for k in result.kills if not k.skipped and k.back_s is None]
+    return sorted({*result.given_up, *late})
+
+
 def exit_status(result: SoakResult) -> int:
-    """0 when no block leaked and no checked output was wrong, else 1."""
-    return 1 if result.blocks_leaked or result.mismatches else 0
+    """0 when no block leaked, no checked output was wrong and every killed process came
+    back, else 1."""
+    return 1 if result.blocks_leaked or result.mismatches or not_healed(result) else 0
 
 
 def _pct(part: int, whole: int) -> str:
@@ -330,6 +365,7 @@ def format_summary(r: SoakResult) -> str:
             f"ready at {rs.ready_s:.1f} s (pid {rs.new_pid}, new incarnation: "
             f"{rs.new_incarnation != rs.old_incarnation}); 'after' = sent from {rs.settled_s:.1f} s"
         )
+    lines += _kill_lines(r)
     lines.append("  phase    sent  completed  aborted  failed")
     for name, c in r.phases.items():
         lines.append(f"  {name:<7}{c.sent:>6}{c.completed:>11}{c.aborted:>9}{c.failed:>8}")
@@ -359,5 +395,29 @@ def format_summary(r: SoakResult) -> str:
             f"(got {m.got}, want {m.want})"
         )
     verdict = "PASS" if exit_status(r) == 0 else "FAIL"
-    lines.append(f"  {verdict}: {r.blocks_leaked} blocks leaked, {len(r.mismatches)} wrong outputs")
+    unhealed = f", not back: {', '.join(not_healed(r))}" if not_healed(r) else ""
+    lines.append(
+        f"  {verdict}: {r.blocks_leaked} blocks leaked, {len(r.mismatches)} wrong outputs{unhealed}"
+    )
     return "\n".join(lines)
+
+
+def _kill_lines(r: SoakResult) -> list[str]:
+    """The kill mode's lines of the summary: kills, restarts, what did not come back."""
+    if r.kill_every_s is None:
+        return []
+    done = [k for k in r.kills if not k.skipped]
+    outages = [k.back_s - k.killed_s for k in done if k.back_s is not None]
+    longest = f"; longest outage {max(outages):.1f} s" if outages else ""
+    restarts = ", ".join(f"{name} {n}" for name, n in r.restarts.items())
+    lines = [
+        f"  kills every {r.kill_every_s:g} s ({', '.join(r.kill_roles)}): {len(done)} killed, "
+        f"{len(r.kills) - len(done)} skipped (being restarted), {len(outages)} back{longest}",
+        f"  restarts: {r.restarts_total} ({restarts}); given up: {', '.join(r.given_up) or 'none'}",
+    ]
+    for k in done[:6]:
+        back = f"back at {k.back_s:.1f} s (pid {k.new_pid})" if k.back_s is not None else "NOT BACK"
+        lines.append(f"    {k.instance:<10} killed at {k.killed_s:.1f} s (pid {k.old_pid}), {back}")
+    if len(done) > 6:
+        lines.append(f"    ... {len(done) - 6} more kills in the JSON")
+    return lines

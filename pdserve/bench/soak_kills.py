@@ -1,0 +1,118 @@
+"""The soak's kill mode: SIGKILL a random process of a supervised cluster every N seconds.
+
+Every `every_s` seconds of the traffic (at every_s, 2 every_s, ... before its end), a role
+is drawn from the chosen ones (seeded), then one process of that role, and the process is
+killed by PID through the cluster's `Supervisor` (`pdserve.supervisor`), which restarts it
+on its ports as `pdserve up` does. A process not running at that moment (still being
+restarted after an earlier kill) is not killed: the kill is recorded as skipped. Each kill
+is followed until the supervisor reports the process back (a new PID; for an instance, the
+incarnation its `/kv/info` then gives), or until `back_timeout_s`.
+
+`plan_kills` and `choose_victim` are pure; `run_kills` owns the kill tasks it creates and
+awaits them all before returning.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections.abc import Sequence
+from typing import Literal
+
+import httpx
+import numpy as np
+
+from pdserve.bench.soak_report import KillInfo
+from pdserve.restarts import RestartPolicy
+from pdserve.supervisor import Supervisor
+
+KillRole = Literal["prefill", "decode", "router"]
+KILL_ROLES: tuple[KillRole, ...] = ("prefill", "decode", "router")
+RESTARTS_MARGIN = 5  # a restart that keeps failing still gives up, whatever the kills
+
+
+def plan_kills(every_s: float, duration_s: float) -> list[float]:
+    """The kill times, seconds into the traffic: every_s, 2 every_s, ... before duration_s."""
+    count = math.ceil(duration_s / every_s) - 1  # the multiples strictly below duration_s
+    return [k * every_s for k in range(1, count + 1)]
+
+
+def soak_restart_policy(every_s: float, duration_s: float) -> RestartPolicy:
+    """A restart budget the planned kills alone cannot exhaust (each could hit the same
+    process), so that only restarts that fail by themselves make the supervisor give up."""
+    return RestartPolicy(max_restarts=len(plan_kills(every_s, duration_s)) + RESTARTS_MARGIN)
+
+
+def choose_victim(
+    roles: Sequence[KillRole], names_by_role: dict[str, list[str]], rng: np.random.Generator
+) -> tuple[KillRole, str]:
+    """A role drawn uniformly from `roles`, then one of its processes uniformly."""
+    role = roles[int(rng.integers(len(roles)))]
+    names = names_by_role[role]
+    return role, names[int(rng.integers(len(names)))]
+
+
+async def run_kills(
+    sup: Supervisor,
+    roles: Sequence[KillRole],
+    times: Sequence[float],
+    t0: float,
+    rng: np.random.Generator,
+    back_timeout_s: float,
+) -> list[KillInfo]:
+    """Kill at each of `times` (seconds after `t0`, a time.monotonic()); every kill's
+    record, in kill order, once each killed process is back (or was waited for
+    `back_timeout_s`)."""
+    names_by_role: dict[str, list[str]] = {}
+    for p in sup.cluster.processes:
+        names_by_role.setdefault(p.role, []).append(p.name)
+    kills: list[asyncio.Task[KillInfo]] = []
+    async with httpx.AsyncClient(timeout=5.0, trust_env=False) as http:
+        for at in times:
+            await asyncio.sleep(max(0.0, at - (time.monotonic() - t0)))
+            role, name = choose_victim(roles, names_by_role, rng)
+            kill = _kill_and_follow(sup, http, name, role, t0, back_timeout_s)
+            kills.append(asyncio.create_task(kill))
+        return list(await asyncio.gather(*kills))
+
+
+async def _kill_and_follow(
+    sup: Supervisor,
+    http: httpx.AsyncClient,
+    name: str,
+    role: KillRole,
+    t0: float,
+    timeout_s: float,
+) -> KillInfo:
+    """SIGKILL `name` through the supervisor and wait until it is back."""
+    url = sup.cluster.process(name).url  # the same before and after a restart
+    old_incarnation = None if role == "router" else await _incarnation(http, url)
+    old_pid = await asyncio.to_thread(sup.kill, name)
+    killed_s = time.monotonic() - t0
+    if old_pid is None:  # not running: being restarted after an earlier kill
+        return KillInfo(instance=name, role=role, killed_s=killed_s, skipped=True)
+    deadline = time.monotonic() + timeout_s
+    new_pid = None
+    while new_pid is None and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
+        pid = await asyncio.to_thread(sup.running_pid, name)
+        new_pid = pid if pid != old_pid else None
+    back = new_pid is not None
+    return KillInfo(
+        instance=name,
+        role=role,
+        killed_s=killed_s,
+        back_s=time.monotonic() - t0 if back else None,
+        old_pid=old_pid,
+        new_pid=new_pid,
+        old_incarnation=old_incarnation,
+        new_incarnation=await _incarnation(http, url) if back and role != "router" else None,
+    )
+
+
+async def _incarnation(http: httpx.AsyncClient, url: str) -> str | None:
+    try:
+        return str((await http.get(f"{url}/kv/info")).json()["incarnation"])
+    except (httpx.HTTPError, ValueError, KeyError, TypeError):
+        return None
