@@ -96,6 +96,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=None,
         help="cores for this client, e.g. 0 (default: the router's; 'any': unpinned)",
     )
+    p.add_argument(
+        "--router-nice",
+        type=int,
+        default=None,
+        help="set the router's main thread to this nice value after start (negative: more "
+        "eager to preempt P on its shared core; needs privileges)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, default=None, help="save the figures here")
     return p.parse_args(argv)
@@ -172,6 +179,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     with Cluster(config) as cluster:
         client_cpus = _pin_client(args, cluster)
+        if args.router_nice is not None:
+            assert cluster.router is not None
+            os.setpriority(os.PRIO_PROCESS, cluster.router.pid, args.router_nice)
         load_before = os.getloadavg()
         cpu_before = read_cpu_times()
         results, router_cost = asyncio.run(_measure(cluster, args))
