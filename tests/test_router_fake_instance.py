@@ -31,6 +31,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pdserve.ports import free_port
 from pdserve.router.upstream import Answer
+from pdserve.transfer.release import SIGNATURE_HEADER as RELEASE_HEADER
 
 MODEL = "fake-model"
 
@@ -110,9 +111,21 @@ class Behavior:
 class FakeInstance:
     """A fake P or D instance; `received` lists its completion requests in arrival order."""
 
-    def __init__(self, role: str = "decode", port: int | None = None, **behavior: Any) -> None:
+    def __init__(
+        self,
+        role: str = "decode",
+        port: int | None = None,
+        mode: str | None = None,
+        **kw: Any,
+    ) -> None:
         self.role = role
-        self.behavior = Behavior(**behavior)
+        # The transfer mode /kv/info reports; None: the mode of the router it is put behind
+        # (`running_router`), else push.
+        self.mode = mode
+        self.model = MODEL  # the model /kv/info reports
+        self.transport = "tcp"
+        self.released: list[tuple[str, str | None]] = []  # POST /kv/release: (id, signature)
+        self.behavior = Behavior(**kw)
         self.engine_id = f"fake-{role}-{uuid.uuid4().hex[:8]}"
         self.incarnation = uuid.uuid4().hex
         self.side_channel_port = free_port()
@@ -135,11 +148,11 @@ class FakeInstance:
             "engine_id": self.engine_id,
             "incarnation": self.incarnation,
             "role": self.role,
-            "transfer_mode": "push",
-            "transport": "tcp",
+            "transfer_mode": self.mode or "push",
+            "transport": self.transport,
             "side_channel_host": "127.0.0.1",
             "side_channel_port": self.side_channel_port,
-            "model": MODEL,
+            "model": self.model,
         }
 
 
@@ -153,6 +166,12 @@ def build_app(fake: FakeInstance) -> FastAPI:
     @app.get("/kv/info")
     async def kv_info() -> dict[str, Any]:
         return fake.info()
+
+    @app.post("/kv/release")
+    async def release(request: Request) -> Response:
+        body = msgspec.json.decode(await request.body())
+        fake.released.append((body["transfer_id"], request.headers.get(RELEASE_HEADER)))
+        return JSONResponse({"transfer_id": body["transfer_id"]}, status_code=202)
 
     @app.get("/load")
     async def load() -> dict[str, Any]:
@@ -284,6 +303,8 @@ def running_router(
     from pdserve.router.config import RouterConfig
 
     wait_ready = config.pop("wait_ready", True)
+    for fake in (*prefill, *decode):
+        fake.mode = fake.mode or mode  # fits the router unless the test says otherwise
     # Local prefill off unless a test asks for it: these tests are about the P/D legs.
     defaults = {
         "health_interval_s": 0.05,
@@ -348,8 +369,9 @@ def main() -> None:
     parser.add_argument("--role", default="both")
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--threads", type=int)
+    parser.add_argument("--kv-transfer", default=None)
     args, _ = parser.parse_known_args()
-    fake = FakeInstance(args.role, port=args.port)
+    fake = FakeInstance(args.role, port=args.port, mode=args.kv_transfer)
     uvicorn.run(fake.app, host="127.0.0.1", port=args.port, log_level="warning")
 
 
