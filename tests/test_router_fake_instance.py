@@ -1,8 +1,9 @@
 """A fake pdserve instance for router and launcher tests (no model, no engine).
 
 It serves the HTTP contract a router relies on (`/health`, `/kv/info`, `/load`,
-`/tokenize`, `/v1/models`, `/v1/completions`, `/v1/chat/completions` with SSE streaming) and records
-every completion request it receives: the body (so `kv_transfer_params` can be checked),
+`/kv/release` (recorded in `released`), `/tokenize`, `/v1/models`, `/v1/completions`,
+`/v1/chat/completions` with SSE streaming) and records every completion request it
+receives: the body (so `kv_transfer_params` can be checked),
 when it arrived, when the answer was sent, and whether the client went away first.
 Tests change `behavior` while it runs (they share the process when it runs in a thread).
 

@@ -56,6 +56,8 @@ Trust (details and a table in docs/transport.md, "Connector security"):
   expired ones before any message or READ. Whatever the token, D claims a hold (PullClaim)
   before reading it, and P grants it only for exactly the blocks it holds for that
   transfer, to one reader; a PullDone frees only its claimant's hold.
+  The router's release of a hold (`POST /kv/release`) is verified by the HTTP front end
+  with the token (pdserve.transfer.release) before it reaches the engine thread.
   Without a token nothing on the side channel is authenticated: anyone who reaches an
   instance's side-channel or HTTP port can send any message or params, and a client that
   knows a live transfer id and its block ids can read that prompt's KV through D. Push
