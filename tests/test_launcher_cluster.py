@@ -34,6 +34,7 @@ CORES = sorted(os.sched_getaffinity(0))
 
 def fake_command(spec: InstanceSpec) -> list[str]:
     cmd = [sys.executable, str(FAKE), "--role", spec.role, "--port", str(spec.port)]
+    cmd += ["--kv-transfer", spec.kv_transfer] if spec.kv_transfer else []
     return cmd + (["--threads", str(spec.threads)] if spec.threads else [])
 
 

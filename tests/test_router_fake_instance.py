@@ -1,8 +1,9 @@
 """A fake pdserve instance for router and launcher tests (no model, no engine).
 
 It serves the HTTP contract a router relies on (`/health`, `/kv/info`, `/load`,
-`/tokenize`, `/v1/models`, `/v1/completions`, `/v1/chat/completions` with SSE streaming) and records
-every completion request it receives: the body (so `kv_transfer_params` can be checked),
+`/kv/release` (recorded in `released`), `/tokenize`, `/v1/models`, `/v1/completions`,
+`/v1/chat/completions` with SSE streaming) and records every completion request it
+receives: the body (so `kv_transfer_params` can be checked),
 when it arrived, when the answer was sent, and whether the client went away first.
 Tests change `behavior` while it runs (they share the process when it runs in a thread).
 
@@ -31,6 +32,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pdserve.ports import free_port
 from pdserve.router.upstream import Answer
+from pdserve.transfer.release import SIGNATURE_HEADER as RELEASE_HEADER
 
 MODEL = "fake-model"
 
@@ -110,9 +112,21 @@ class Behavior:
 class FakeInstance:
     """A fake P or D instance; `received` lists its completion requests in arrival order."""
 
-    def __init__(self, role: str = "decode", port: int | None = None, **behavior: Any) -> None:
+    def __init__(
+        self,
+        role: str = "decode",
+        port: int | None = None,
+        mode: str | None = None,
+        **kw: Any,
+    ) -> None:
         self.role = role
-        self.behavior = Behavior(**behavior)
+        # The transfer mode /kv/info reports; None: the mode of the router it is put behind
+        # (`running_router`), else push.
+        self.mode = mode
+        self.model = MODEL  # the model /kv/info reports
+        self.transport = "tcp"
+        self.released: list[tuple[str, str | None]] = []  # POST /kv/release: (id, signature)
+        self.behavior = Behavior(**kw)
         self.engine_id = f"fake-{role}-{uuid.uuid4().hex[:8]}"
         self.incarnation = uuid.uuid4().hex
         self.side_channel_port = free_port()
@@ -135,11 +149,11 @@ class FakeInstance:
             "engine_id": self.engine_id,
             "incarnation": self.incarnation,
             "role": self.role,
-            "transfer_mode": "push",
-            "transport": "tcp",
+            "transfer_mode": self.mode or "push",
+            "transport": self.transport,
             "side_channel_host": "127.0.0.1",
             "side_channel_port": self.side_channel_port,
-            "model": MODEL,
+            "model": self.model,
         }
 
 
@@ -153,6 +167,12 @@ def build_app(fake: FakeInstance) -> FastAPI:
     @app.get("/kv/info")
     async def kv_info() -> dict[str, Any]:
         return fake.info()
+
+    @app.post("/kv/release")
+    async def release(request: Request) -> Response:
+        body = msgspec.json.decode(await request.body())
+        fake.released.append((body["transfer_id"], request.headers.get(RELEASE_HEADER)))
+        return JSONResponse({"transfer_id": body["transfer_id"]}, status_code=202)
 
     @app.get("/load")
     async def load() -> dict[str, Any]:
@@ -284,6 +304,8 @@ def running_router(
     from pdserve.router.config import RouterConfig
 
     wait_ready = config.pop("wait_ready", True)
+    for fake in (*prefill, *decode):
+        fake.mode = fake.mode or mode  # fits the router unless the test says otherwise
     # Local prefill off unless a test asks for it: these tests are about the P/D legs.
     defaults = {
         "health_interval_s": 0.05,
@@ -348,8 +370,9 @@ def main() -> None:
     parser.add_argument("--role", default="both")
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--threads", type=int)
+    parser.add_argument("--kv-transfer", default=None)
     args, _ = parser.parse_known_args()
-    fake = FakeInstance(args.role, port=args.port)
+    fake = FakeInstance(args.role, port=args.port, mode=args.kv_transfer)
     uvicorn.run(fake.app, host="127.0.0.1", port=args.port, log_level="warning")
 
 

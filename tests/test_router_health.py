@@ -77,9 +77,10 @@ def test_never_healthy_instance_is_not_admitted() -> None:
     ):
         wait_for(lambda: _admitted(r, d))
         assert not _admitted(r, p)
+        # With no prefill instance the decode instances prefill themselves (no P leg).
         resp = httpx.post(f"{r}/v1/completions", json=PROMPT)
-    assert resp.status_code == 503
-    assert "prefill" in resp.json()["error"]["message"]
+    assert resp.status_code == 200
+    assert p.received == [] and "kv_transfer_params" not in d.received[0].body
 
 
 def test_push_router_notices_a_restarted_prefill() -> None:

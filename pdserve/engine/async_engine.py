@@ -39,6 +39,7 @@ from pdserve.engine.types import (
 )
 from pdserve.transfer.hoptrace import hop
 from pdserve.transfer.params import KVTransferParams
+from pdserve.transfer.release import ReleaseAuth, check_release
 from pdserve.transfer.stats import ConnectorMetrics
 
 __all__ = ["AsyncEngine", "EngineDeadError"]
@@ -46,6 +47,12 @@ __all__ = ["AsyncEngine", "EngineDeadError"]
 
 class _Abort(msgspec.Struct, frozen=True):
     request_id: str
+
+
+class _Release(msgspec.Struct, frozen=True):
+    """The router's release of a transfer (`release_transfer`)."""
+
+    transfer_id: str
 
 
 class _Wake(msgspec.Struct, frozen=True):
@@ -66,7 +73,9 @@ class AsyncEngine:
         self.info: EngineInfo = engine.info()
         self.tokenizer = engine.tokenizer
         self.flush_s = flush_s
-        self._inbox: queue.SimpleQueue[EngineRequest | _Abort | _Wake | None] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[EngineRequest | _Abort | _Release | _Wake | None] = (
+            queue.SimpleQueue()
+        )
         if engine.connector is not None:
             engine.connector.wake = lambda: self._inbox.put(_Wake())
         engine.early_outputs = self._deliver_handoff  # called on the engine thread, mid-step
@@ -135,6 +144,14 @@ class AsyncEngine:
         if self.engine.connector is not None:
             self.engine.connector.check_params(params)
 
+    def check_release(self, transfer_id: str, signature: str | None) -> ReleaseAuth:
+        c = self.engine.connector
+        return check_release(c.cfg.cluster_token if c else None, transfer_id, signature)
+
+    def release_transfer(self, transfer_id: str) -> None:
+        """Queue the router's release for the engine thread (any thread)."""
+        self._inbox.put(_Release(transfer_id))
+
     # -- engine thread ---------------------------------------------------------------------
     def _run(self) -> None:
         try:
@@ -167,6 +184,8 @@ class AsyncEngine:
                 return False
             if isinstance(item, _Abort):
                 self._deliver(self.engine.abort_request(item.request_id))
+            elif isinstance(item, _Release):
+                self.engine.release_transfer(item.transfer_id)
             elif isinstance(item, EngineRequest):
                 hop(item.request_id, "d.engine_add")
                 self._deliver(self.engine.add_request(item))

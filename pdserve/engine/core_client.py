@@ -36,6 +36,7 @@ from pdserve.engine.core_protocol import (
     Codec,
     CoreSpec,
     Ready,
+    Release,
     Snapshot,
     StartFailed,
     Step,
@@ -52,6 +53,7 @@ from pdserve.engine.types import (
 )
 from pdserve.model.tokenizer import Tokenizer
 from pdserve.transfer.params import KVTransferParams, check_pull_params
+from pdserve.transfer.release import ReleaseAuth, check_release
 from pdserve.transfer.stats import ConnectorMetrics
 
 log = logging.getLogger(__name__)
@@ -88,6 +90,7 @@ class EngineCoreClient:
             log_level=log_level,
         )
         token = connector.cluster_token if connector else None
+        self._token = token  # verifies the router's releases (pdserve.transfer.release)
         pull = connector is not None and connector.mode == "pull"
         self._params_key = token.encode() if token and pull else None
         self._codec = Codec()  # the reader thread's decoders
@@ -217,6 +220,13 @@ class EngineCoreClient:
 
     def check_params(self, params: KVTransferParams) -> None:
         check_pull_params(params, self._params_key)
+
+    def check_release(self, transfer_id: str, signature: str | None) -> ReleaseAuth:
+        return check_release(self._token, transfer_id, signature)
+
+    def release_transfer(self, transfer_id: str) -> None:
+        """Send the router's release to the core (any thread)."""
+        self._send(Release(transfer_id))
 
     def _take_snapshot(self, snap: Snapshot) -> None:
         # Two attribute stores, each atomic: a reader sees the old or the new state.

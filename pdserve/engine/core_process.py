@@ -6,7 +6,7 @@ interpreter, so the HTTP front end never holds the GIL the engine needs.
 
 Ownership: this process owns the engine, its scheduler, the KV cache, every KV block and the
 connector (side channel, transport, writer threads). The front end owns the HTTP side and
-its requests' streams; it only sends `Add`/`Abort`/`Stop` and reads `Step`s.
+its requests' streams; it only sends `Add`/`Abort`/`Release`/`Stop` and reads `Step`s.
 
 The loop, on the main thread: wait for a message or a connector wake-up (no wait while there
 is work), apply adds and aborts, hand over what the connector finished (KV arrived, a
@@ -39,6 +39,7 @@ from pdserve.engine.core_protocol import (
     Codec,
     CoreSpec,
     Ready,
+    Release,
     Snapshot,
     StartFailed,
     Step,
@@ -169,6 +170,8 @@ class Core:
                 outputs += self.engine.add_request(msg.request)
             elif isinstance(msg, Abort):
                 outputs += self.engine.abort_request(msg.request_id)
+            elif isinstance(msg, Release):
+                self.engine.release_transfer(msg.transfer_id)
             elif isinstance(msg, Stop):
                 self.stopping = True
                 return outputs

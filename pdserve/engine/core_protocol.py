@@ -4,7 +4,7 @@ Two ZMQ sockets over IPC in a private directory the front end makes: the front e
 both; the core connects a PULL to `to_core` and a PUSH to `from_core`. The core is started
 with its `CoreSpec` on stdin. Every message is a tagged msgspec struct, encoded as msgpack.
 
-    front end -> core:  Add | Abort | Stop
+    front end -> core:  Add | Abort | Release | Stop
     core -> front end:  Ready (once, after the engine is built) | StartFailed | Step ...
 
 A `Step` carries the outputs of one engine iteration, in the order the engine made them, and
@@ -44,6 +44,13 @@ class Abort(msgspec.Struct, frozen=True, tag=True):
     request_id: str
 
 
+class Release(msgspec.Struct, frozen=True, tag=True):
+    """P: the router's release of a transfer (pdserve.transfer.release); already verified
+    by the front end."""
+
+    transfer_id: str
+
+
 class Stop(msgspec.Struct, frozen=True, tag=True):
     """Abort every request and exit."""
 
@@ -75,7 +82,7 @@ class Step(msgspec.Struct, frozen=True, tag=True, kw_only=True):
     snapshot: Snapshot | None = None
 
 
-ToCore = Add | Abort | Stop
+ToCore = Add | Abort | Release | Stop
 FromCore = Ready | StartFailed | Step
 
 

@@ -167,6 +167,12 @@ class LLMEngine:
             return []
         return [self._finish(req, FinishReason.ABORT)]
 
+    def release_transfer(self, transfer_id: str) -> None:
+        """P: the router will send no decode leg for `transfer_id`; the connector frees
+        what nobody uses (pdserve.transfer.connector). A no-op without a connector."""
+        if self.connector is not None:
+            self.connector.release_transfer(transfer_id)
+
     def has_work(self) -> bool:
         """True when `step()` would compute (connector events are polled separately)."""
         return self.scheduler.has_work()

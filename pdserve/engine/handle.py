@@ -23,6 +23,7 @@ import msgspec
 from pdserve.engine.types import EngineRequest, EngineStats, LiveRequest, RequestOutput
 from pdserve.model.tokenizer import Tokenizer
 from pdserve.transfer.params import InstanceInfo, InstanceLimits, KVTransferParams
+from pdserve.transfer.release import ReleaseAuth
 from pdserve.transfer.stats import ConnectorMetrics
 
 
@@ -79,3 +80,11 @@ class EngineHandle(Protocol):
     def check_params(self, params: KVTransferParams) -> None:
         """D: raise InvalidKVTransferParams if a decode leg with `params` must not be
         admitted (pull with a cluster token: P's signature)."""
+
+    def check_release(self, transfer_id: str, signature: str | None) -> ReleaseAuth:
+        """P: whether the router's release of `transfer_id` is signed with this
+        instance's cluster token (always OK without one; pdserve.transfer.release)."""
+
+    def release_transfer(self, transfer_id: str) -> None:
+        """P: queue the router's release of `transfer_id` for the engine (which frees
+        only what no decode instance uses; pdserve.transfer.connector). Any thread."""

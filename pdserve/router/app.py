@@ -28,7 +28,7 @@ from fastapi.responses import JSONResponse, Response
 
 from pdserve.router.config import RouterConfig
 from pdserve.router.dispatch import Call, Dispatcher, cancel_and_wait
-from pdserve.router.health import HealthMonitor, Instance, InstancePool
+from pdserve.router.health import NO_PREFILL_DEGRADED, HealthMonitor, Instance, InstancePool
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.upstream import Answer, Upstream
 from pdserve.server.body_limit import BodySizeLimit
@@ -102,7 +102,8 @@ def _add_routes(app: FastAPI, config: RouterConfig) -> None:
 
     @app.get("/health")
     async def health(request: Request) -> Response:
-        return _health(_state(request).pool)
+        state = _state(request)
+        return _health(state.pool, state.config.kv_transfer == "push")
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
@@ -167,13 +168,25 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-def _health(pool: InstancePool) -> Response:
+def _health(pool: InstancePool, push: bool) -> Response:
+    """200 while a decode instance is admitted (with no usable prefill instance the router
+    prefills on decode instances, and says so as `degraded`), else 503. Instances refused
+    for not fitting the cluster are listed with the mismatch."""
     counts = {
         role: {"healthy": len(pool.admitted(role)), "total": len(pool.by_role(role))}
         for role in ("prefill", "decode")
     }
-    ready = pool.is_ready()
-    body = {"status": "ok" if ready else "unavailable", **counts}
+    ready = bool(pool.admitted("decode"))
+    body: dict[str, Any] = {"status": "ok" if ready else "unavailable", **counts}
+    if ready and not pool.prefill_usable(push):
+        body["degraded"] = NO_PREFILL_DEGRADED
+    refused = [
+        {"url": i.url, "role": i.role, "mismatch": r.mismatch.value, "detail": r.detail}
+        for role in ("prefill", "decode")
+        for i, r in pool.refusals(role)
+    ]
+    if refused:
+        body["refused"] = refused
     return JSONResponse(body, status_code=200 if ready else 503)
 
 
@@ -217,6 +230,9 @@ def _describe(inst: Instance) -> dict[str, Any]:
         "role": inst.role,
         "admitted": inst.admitted,
         "consecutive_failures": inst.failures,
+        "refused": None if inst.refused is None else inst.refused.detail,
+        "ejections": inst.ejections,
+        "restarts": inst.restarts,
         "outstanding": inst.outstanding,
         "outstanding_tokens": inst.outstanding_tokens,
         "info": info,

@@ -34,6 +34,10 @@ class RouterConfig:
     port: int = 8000
     # Checked on the client's requests and sent to the instances (one key for the cluster).
     api_key: str | None = None
+    # Signs the router's releases of prefill holds (pdserve.transfer.release); must be the
+    # instances' token when they have one (else P refuses the release and the lease frees).
+    cluster_token: str | None = None
+    release_timeout_s: float = 5.0  # bound on one release call to P
     # Bound on each leg: P's whole answer, D's first token, and every gap between D's chunks.
     request_timeout_s: float = 300.0
     connect_timeout_s: float = 5.0

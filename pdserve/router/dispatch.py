@@ -17,6 +17,21 @@ which prefills it itself: no P leg, no transfer. Its length must be known exactl
 ids, or the instance's `/tokenize`, not asked for a text far above the threshold); when it
 is not, the request is disaggregated. On by default below 64 tokens (`RouterConfig`).
 
+No prefill left: while no prefill instance can take this mode's P leg but a decode
+instance is admitted, every request is served as a local prefill on a decode instance
+(mode "local_fallback" in the metrics; logged once per change; `/health` stays 200 and
+says it is degraded): a cluster that lost its prefill instances degrades to monolithic
+decode instances instead of failing every request.
+
+Releasing P's hold: P keeps a finished prompt's blocks for the decode leg ("hold:<tid>").
+When that leg will never use them - D refused or failed before its stream started, no D
+was left to pick, or the client left between the legs (pull: while P ran or after P
+answered; push: before D's first token) - the dispatcher tells P at once (`POST
+/kv/release`, signed with the cluster token; pdserve.transfer.release) in a background
+task, so the client's answer never waits for it. P frees only what no decode instance
+uses; the call is idempotent, and a failed one leaves the blocks to P's lease. A push
+request whose P leg itself failed sends none (P holds nothing for it).
+
 Choice: every leg's instance is picked by the policy with the request's `Demand` (prompt
 and decode tokens). In push mode the D leg's demand carries the predicted time until P
 has prefilled the prompt (`InstancePool.predict_prefill_s`), for `load_aware`.
@@ -60,7 +75,14 @@ from starlette.types import Receive, Scope, Send
 
 from pdserve.router.config import RouterConfig
 from pdserve.router.ejection import InstanceEjected, StreamWatch, until_ejected
-from pdserve.router.health import EJECTED_REASON, Instance, InstancePool, Leg, Role
+from pdserve.router.health import (
+    EJECTED_REASON,
+    NO_PREFILL_DEGRADED,
+    Instance,
+    InstancePool,
+    Leg,
+    Role,
+)
 from pdserve.router.load_model import Demand
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.prompt_size import (
@@ -81,6 +103,7 @@ from pdserve.router.upstream import (
 from pdserve.server.errors import APIError
 from pdserve.server.sse import data_event_bytes
 from pdserve.transfer.hoptrace import hop
+from pdserve.transfer.release import RELEASE_PATH, SIGNATURE_HEADER, release_signature
 
 log = logging.getLogger(__name__)
 
@@ -175,7 +198,9 @@ class Dispatcher:
         self._upstream = upstream
         self._pool = pool
         self._metrics = metrics
-        self._background: set[asyncio.Task[Any]] = set()  # P legs outliving their response
+        # P legs outliving their response, and releases of P's holds in flight.
+        self._background: set[asyncio.Task[Any]] = set()
+        self._prefilling_locally = False  # no prefill instance left (logged on each change)
 
     async def dispatch(self, call: Call) -> Response:
         """The response for the client: D's stream or body, or an OpenAI-style JSON error."""
@@ -185,7 +210,10 @@ class Dispatcher:
             demand, exact = await self._demand(call)
             if exact and demand.prompt_tokens < self._config.local_prefill_below:
                 mode = "local"
-                return await self._local(call, demand)
+                return await self._local(call, demand, mode)
+            if self._no_prefill_left():
+                mode = "local_fallback"
+                return await self._local(call, demand, mode)
             if mode == "pull":
                 return await self._pull(call, demand)
             return await self._push(call, demand)
@@ -224,33 +252,63 @@ class Dispatcher:
             self._upstream, d.url, call.body, self._headers(call), self._config.health_timeout_s
         )
 
-    async def _local(self, call: Call, demand: Demand) -> Response:
-        """A short prompt: one plain request to a decode instance, which prefills it."""
+    def _no_prefill_left(self) -> bool:
+        """Whether requests must prefill on decode instances: none of prefill can take a P
+        leg of this mode, but a decode instance is admitted. Logs each change."""
+        pool = self._pool
+        push = self._config.kv_transfer == "push"
+        gone = not pool.prefill_usable(push) and bool(pool.admitted("decode"))
+        if gone != self._prefilling_locally:
+            self._prefilling_locally = gone
+            if gone:
+                log.warning("%s", NO_PREFILL_DEGRADED)
+            else:
+                log.info("a prefill instance is back: disaggregating again")
+        return gone
+
+    async def _local(self, call: Call, demand: Demand, mode: str) -> Response:
+        """One plain request to a decode instance, which prefills it (a short prompt, or no
+        prefill instance left)."""
         d, leg = self._acquire("decode", replace(demand, local_prefill=True))
         try:
             start = await self._on_instance("decode", d, leg, self._open_decode(d, call, None))
         except BaseException:
             self._pool.release(d, leg)
             raise
-        return self._respond(call, "local", d, leg, start, None)
+        return self._respond(call, mode, d, leg, start, None)
 
     # -- pull -----------------------------------------------------------------------------
 
     async def _pull(self, call: Call, demand: Demand) -> Response:
         if not self._pool.admitted("decode"):  # don't spend a prefill nobody can decode
-            raise _no_instance("decode")
+            raise _no_instance(self._pool, "decode")
         p, p_leg = self._acquire("prefill", demand)
         # A fresh transfer id: without one P would use the request id, and a client reusing
         # its X-Request-Id would collide with the previous request's hold on P.
-        params = {"do_remote_decode": True, "transfer_mode": "pull", "transfer_id": _new_tid()}
+        tid = _new_tid()
+        params = {"do_remote_decode": True, "transfer_mode": "pull", "transfer_id": tid}
         try:
             result = await self._on_instance("prefill", p, p_leg, self._prefill(p, call, params))
+        except asyncio.CancelledError:
+            self._release_later(p, tid)  # P may have finished just before the cancel reached it
+            raise
         finally:
             self._pool.release(p, p_leg)
         if result.params is None:
             raise self._leg_error(
                 "prefill", p, "missing_params", 502, "returned no kv_transfer_params"
             )
+        try:
+            return await self._pull_decode(call, demand, result, tid)
+        except BaseException:  # no D stream: nobody will read P's hold
+            self._release_later(p, tid)
+            raise
+
+    async def _pull_decode(
+        self, call: Call, demand: Demand, result: PrefillResult, tid: str
+    ) -> Response:
+        """The D leg of a pull request, once P answered with `result`."""
+        assert result.params is not None
         d, d_leg = self._acquire("decode", demand)
         try:
             opening = self._open_decode(d, call, pull_decode_params(result.params))
@@ -259,7 +317,7 @@ class Dispatcher:
             self._pool.release(d, d_leg)
             raise
         self._observe_handoff(result, start.first_token_unix)
-        hop(params["transfer_id"], "r.first_token", start.first_token_unix, rid=call.request_id)
+        hop(tid, "r.first_token", start.first_token_unix, rid=call.request_id)
         return self._respond(call, "pull", d, d_leg, start, None, result.prefill_done_time)
 
     # -- push -----------------------------------------------------------------------------
@@ -270,7 +328,7 @@ class Dispatcher:
         acquired = self._pool.acquire("decode", replace(demand, ready_in_s=ready_in))
         if acquired is None:
             self._pool.release(p, p_leg)
-            raise _no_instance("decode")
+            raise _no_instance(self._pool, "decode")
         d, d_leg = acquired
         p_params, d_params = push_params(p, _new_tid())
         p_task = asyncio.create_task(
@@ -284,6 +342,8 @@ class Dispatcher:
             start = await self._first_token_or_prefill_error(p_task, d_task)
         except BaseException:
             self._pool.release(d, d_leg)
+            if not _failed(p_task):  # P answered, or may finish the prompt before the cancel
+                self._release_later(p, p_params["transfer_id"])
             await cancel_and_wait(p_task, d_task)
             raise
         self._after_prefill(p_task, start.first_token_unix)
@@ -319,6 +379,38 @@ class Dispatcher:
             self._background.add(p_task)
             p_task.add_done_callback(done)
 
+    # -- releasing P's hold -----------------------------------------------------------------
+
+    def _release_later(self, p: Instance, tid: str) -> None:
+        """Release P's hold of `tid` in the background (module doc)."""
+        task = asyncio.create_task(self._release(p, tid))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _release(self, p: Instance, tid: str) -> None:
+        headers = {"Content-Type": "application/json"}
+        if self._config.api_key:
+            headers["Authorization"] = f"Bearer {self._config.api_key}"
+        if self._config.cluster_token:
+            headers[SIGNATURE_HEADER] = release_signature(self._config.cluster_token, tid)
+        body = msgspec.json.encode({"transfer_id": tid})
+        url = f"{p.url}{RELEASE_PATH}"
+        try:
+            r = await self._upstream.post(
+                url, body, headers, timeout_s=self._config.release_timeout_s
+            )
+        except UpstreamError as exc:
+            log.warning("release of transfer %s on %s failed: %s", tid, p.url, exc)
+            self._metrics.releases.labels("failed").inc()
+            return
+        if r.is_success:
+            log.debug("released transfer %s on %s", tid, p.url)
+            self._metrics.releases.labels("sent").inc()
+            return
+        snippet = r.content[:200].decode(errors="replace")
+        log.warning("%s refused the release of %s: HTTP %d %s", p.url, tid, r.status, snippet)
+        self._metrics.releases.labels("refused").inc()
+
     # -- legs -----------------------------------------------------------------------------
 
     def _acquire(
@@ -326,7 +418,7 @@ class Dispatcher:
     ) -> tuple[Instance, Leg]:
         acquired = self._pool.acquire(role, demand, need_push_info=need_push_info)
         if acquired is None:
-            raise _no_instance(role, need_push_info)
+            raise _no_instance(self._pool, role, need_push_info)
         return acquired
 
     async def _on_instance(self, role: Role, inst: Instance, leg: Leg, work: Awaitable[T]) -> T:
@@ -636,13 +728,24 @@ def _prefill_done_time(p_task: asyncio.Task[PrefillResult]) -> float | None:
     return p_task.result().prefill_done_time
 
 
+def _failed(p_task: asyncio.Task[PrefillResult]) -> bool:
+    """Whether the P leg ended with its own error (then P holds nothing for it)."""
+    return p_task.done() and not p_task.cancelled() and p_task.exception() is not None
+
+
 def _new_tid() -> str:
     return uuid.uuid4().hex
 
 
-def _no_instance(role: Role, need_push_info: bool = False) -> APIError:
+def _no_instance(pool: InstancePool, role: Role, need_push_info: bool = False) -> APIError:
+    """A 503 naming the problem, including instances refused for not fitting the cluster
+    (an operator's mistake must not look like the client's)."""
     detail = " with a known side channel (/kv/info)" if need_push_info else ""
-    return APIError(503, f"no healthy {role} instance{detail} is available")
+    message = f"no healthy {role} instance{detail} is available"
+    refused = "; ".join(f"{i.url}: {r.detail}" for i, r in pool.refusals(role))
+    if refused:
+        message += f" (refused as not fitting the cluster: {refused})"
+    return APIError(503, message)
 
 
 def _json_object(content: bytes) -> dict[str, Any]:

@@ -6,10 +6,19 @@ acquire/release), so no locks are needed.
 
 Health: `/health` every `health_interval_s`; an instance is admitted (may be picked) after
 one success and ejected after `health_failures_to_eject` failures in a row. An instance
-never seen healthy is not admitted. Identity: `GET /kv/info` is fetched on admission and,
-for prefill instances in push mode, every round, so a restarted P (new incarnation) is
-noticed within a round instead of being sent stale side-channel coordinates. Load:
+never seen healthy is not admitted. Identity: `GET /kv/info` is read before every
+admission and checked (`pdserve.router.admission`): an instance whose role, transfer mode,
+model or transport does not fit is refused (not admitted; logged once per change, listed
+on the router's /health) and checked again every round, so fixing it needs no router
+restart. One whose /kv/info cannot be read is admitted at a later round; one that answers
+404 (e.g. vLLM) is admitted unchecked. For prefill instances in push mode /kv/info is
+re-read every round, so a restarted P (new incarnation) is noticed within a round instead
+of being sent stale side-channel coordinates (and refused if it no longer fits). Load:
 `GET /load` every `load_interval_s` while the policy uses it.
+
+Counted per instance (read by the metrics at scrape time): ejections, and restarts the
+router noticed: a new incarnation in /kv/info (at a re-admission or a push P's refresh);
+for an instance without /kv/info, which cannot tell, every re-admission after an ejection.
 
 Legs: `InstancePool.acquire` opens a `Leg` on the chosen instance and `release` closes it,
 exactly once (the dispatcher's ownership rules). An instance's outstanding legs and tokens
@@ -34,6 +43,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+from pdserve.router.admission import Refusal, refusal
 from pdserve.router.config import RouterConfig
 from pdserve.router.load_model import Demand, mean_rate, prefill_finish_s
 from pdserve.router.policy import Policy, Role, make_policy
@@ -48,6 +58,8 @@ LEG_SETTLE_S = 0.1
 
 # Why the dispatcher ends a leg whose instance the monitor ejected (client-facing text).
 EJECTED_REASON = "ejected: not answering health checks"
+# The router's state while no prefill instance is usable (logs and the /health body).
+NO_PREFILL_DEGRADED = "no prefill instance: prefilling on decode instances"
 
 
 @dataclass(frozen=True, eq=False)
@@ -79,6 +91,10 @@ class Instance:
     load_requested: float = 0.0  # time.monotonic() the poll that gave `load` was sent
     info: InstanceInfo | None = None
     info_unsupported: bool = False  # /kv/info answered 404 (e.g. a vLLM instance)
+    refused: Refusal | None = None  # healthy, but does not fit the cluster (admission.py)
+    incarnation_seen: str | None = None  # the last one /kv/info gave (kept across ejections)
+    ejections: int = 0
+    restarts: int = 0  # noticed by the router (module doc)
     # Fresh at each admission, set at ejection (see the module docstring).
     ejected: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -139,9 +155,22 @@ class InstancePool:
         """The instances of `role` that may be picked now."""
         return [i for i in self.instances if i.role == role and i.admitted]
 
-    def is_ready(self) -> bool:
-        """At least one admitted prefill and one admitted decode instance."""
-        return bool(self.admitted("prefill")) and bool(self.admitted("decode"))
+    def prefill_usable(self, push: bool) -> bool:
+        """Whether an admitted prefill instance can take a P leg (push: one whose side
+        channel is known)."""
+        return any(i.can_receive_push or not push for i in self.admitted("prefill"))
+
+    def refusals(self, role: Role) -> list[tuple[Instance, Refusal]]:
+        """The healthy instances of `role` refused for not fitting the cluster."""
+        return [(i, i.refused) for i in self.by_role(role) if i.refused is not None]
+
+    def reference_info(self, other_than: Instance) -> InstanceInfo | None:
+        """The identity the cluster's admitted instances share (the first one's), which a
+        new instance's model and transport must match; None while none is admitted."""
+        return next(
+            (i.info for i in self.instances if i.admitted and i.info and i is not other_than),
+            None,
+        )
 
     def acquire(
         self, role: Role, demand: Demand, *, need_push_info: bool = False
@@ -205,8 +234,13 @@ class HealthMonitor:
         self._tasks.clear()
 
     async def check_all(self) -> None:
-        """One health round over every instance (concurrently)."""
-        await asyncio.gather(*(self._check(i) for i in self._pool.instances))
+        """One health round over every instance: probes and /kv/info reads concurrently,
+        then admissions in the configured order (prefill URLs, then decode URLs), so the
+        instance that sets the cluster's model and transport does not depend on timing."""
+        seen = await asyncio.gather(*(self._observe(i) for i in self._pool.instances))
+        for inst, candidate in zip(self._pool.instances, seen, strict=True):
+            if candidate is not None:
+                self._admit(inst, candidate)
 
     async def poll_loads(self) -> None:
         """Refresh `load` of every admitted instance; a failed poll clears it."""
@@ -223,15 +257,18 @@ class HealthMonitor:
             await asyncio.sleep(max(0.0, interval - (time.monotonic() - started)))
 
     async def _check(self, inst: Instance) -> None:
-        healthy = await self._probe(inst)
-        if healthy:
-            inst.failures = 0
-            if not inst.admitted:
-                log.info("%s instance %s is healthy: admitted", inst.role, inst.url)
-                inst.ejected = asyncio.Event()
-            inst.admitted = True
-        else:
+        """One instance's health round (`check_all` does every instance's)."""
+        candidate = await self._observe(inst)
+        if candidate is not None:
+            self._admit(inst, candidate)
+
+    async def _observe(self, inst: Instance) -> _Candidate | None:
+        """Probe `inst` and apply what that says about an admitted one (ejection, a push
+        P's refreshed /kv/info); for a healthy one not admitted, its /kv/info to decide on
+        (None: nothing to decide this round)."""
+        if not await self._probe(inst):
             inst.failures += 1
+            inst.refused = None  # down now; whether it fits is checked when it is back
             if inst.admitted and inst.failures >= self._config.health_failures_to_eject:
                 log.warning(
                     "%s instance %s failed %d health checks: ejected",
@@ -239,11 +276,33 @@ class HealthMonitor:
                     inst.url,
                     inst.failures,
                 )
-                inst.admitted = False
-                inst.ejected.set()  # ends the legs still open on it (the dispatcher)
-                inst.info, inst.info_unsupported, inst.load = None, False, None
-        if inst.admitted and self._wants_info(inst):
-            await self._fetch_info(inst)
+                inst.ejections += 1
+                self._unadmit(inst)
+            return None
+        inst.failures = 0
+        if not inst.admitted:
+            return await self._read_info(inst)
+        if self._wants_info(inst):
+            read = await self._read_info(inst)
+            if read is not None and read.info is not None:
+                self._take_info(inst, read.info)
+        return None
+
+    def _admit(self, inst: Instance, candidate: _Candidate) -> None:
+        """Admit a healthy instance whose /kv/info fits (or that has none)."""
+        if candidate.info is not None and not self._take_info(inst, candidate.info):
+            return
+        if candidate.info is None and inst.ejections:
+            inst.restarts += 1  # without /kv/info it cannot tell: every come-back may be one
+        log.info("%s instance %s is healthy: admitted", inst.role, inst.url)
+        inst.ejected = asyncio.Event()
+        inst.admitted = True
+
+    @staticmethod
+    def _unadmit(inst: Instance) -> None:
+        inst.admitted = False
+        inst.ejected.set()  # ends the legs still open on it (the dispatcher)
+        inst.info, inst.info_unsupported, inst.load = None, False, None
 
     async def _probe(self, inst: Instance) -> bool:
         try:
@@ -260,21 +319,47 @@ class HealthMonitor:
         push_prefill = self._config.kv_transfer == "push" and inst.role == "prefill"
         return inst.info is None or push_prefill
 
-    async def _fetch_info(self, inst: Instance) -> None:
+    async def _read_info(self, inst: Instance) -> _Candidate | None:
+        """`inst`'s /kv/info (info None: it has none, a 404), or None if unreadable."""
         try:
             r = await self._upstream.get(
                 f"{inst.url}/kv/info", timeout_s=self._config.health_timeout_s
             )
             if r.status == 404:
-                inst.info_unsupported = True
-                log.info("%s instance %s has no /kv/info", inst.role, inst.url)
-                return
-            info = msgspec.json.decode(_success(r).content, type=InstanceInfo)
+                if not inst.info_unsupported:
+                    log.info("%s instance %s has no /kv/info", inst.role, inst.url)
+                inst.info_unsupported, inst.refused = True, None
+                return _Candidate(None)
+            return _Candidate(msgspec.json.decode(_success(r).content, type=InstanceInfo))
         except (UpstreamError, msgspec.DecodeError) as exc:
             log.warning("cannot read /kv/info of %s: %s", inst.url, exc)
-            return
+            return None
+
+    def _take_info(self, inst: Instance, info: InstanceInfo) -> bool:
+        """Check `info` (`pdserve.router.admission`) and keep it if it fits; a misfit is
+        refused, and ejected if it was admitted. False if refused."""
+        found = refusal(inst.role, info, self._config.kv_transfer, self._pool.reference_info(inst))
+        self._note_refusal(inst, found)
+        if found is not None:
+            if inst.admitted:
+                self._unadmit(inst)
+            return False
         _log_identity_change(inst, info)
-        inst.info = info
+        if inst.incarnation_seen not in (None, info.incarnation):
+            inst.restarts += 1
+        inst.info, inst.incarnation_seen = info, info.incarnation
+        return True
+
+    @staticmethod
+    def _note_refusal(inst: Instance, found: Refusal | None) -> None:
+        """Record `inst`'s refusal, logging only changes (it is checked every round)."""
+        if found == inst.refused:
+            return
+        if found is not None:
+            log.warning("%s instance %s refused: %s", inst.role, inst.url, found.detail)
+        else:
+            log.info("%s instance %s now fits the cluster", inst.role, inst.url)
+        inst.refused = found
 
     async def _poll_load(self, inst: Instance) -> None:
         requested = time.monotonic()
@@ -288,6 +373,13 @@ class HealthMonitor:
             inst.load, inst.load_requested = None, 0.0
 
 
+@dataclass(frozen=True)
+class _Candidate:
+    """A healthy instance's /kv/info, read for the admission decision (None: it has none)."""
+
+    info: InstanceInfo | None
+
+
 def _success(answer: Answer) -> Answer:
     """`answer` if its status is 2xx, else an `UpstreamError` naming the status."""
     if not answer.is_success:
@@ -296,19 +388,13 @@ def _success(answer: Answer) -> Answer:
 
 
 def _log_identity_change(inst: Instance, info: InstanceInfo) -> None:
-    old = inst.info
-    if old is None:
-        if info.role not in (inst.role, "both"):
-            log.warning(
-                "%s is configured as %s but reports role %s", inst.url, inst.role, info.role
-            )
-        return
-    if old.incarnation != info.incarnation:
+    old = inst.incarnation_seen
+    if old is not None and old != info.incarnation:
         log.warning(
             "%s instance %s restarted (incarnation %s -> %s): side channel %s:%s",
             inst.role,
             inst.url,
-            old.incarnation,
+            old,
             info.incarnation,
             info.side_channel_host,
             info.side_channel_port,

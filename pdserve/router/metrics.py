@@ -15,7 +15,7 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from pdserve.router.health import InstancePool
@@ -42,11 +42,31 @@ class _PoolCollector(Collector):
             "Legs the router has in flight on the instance.",
             labels=["role", "url"],
         )
+        refused = GaugeMetricFamily(
+            "pdserve_router_instance_refused",
+            "1 if the instance is healthy but does not fit the cluster (role, transfer mode,"
+            " model or transport; the router's /health says which).",
+            labels=["role", "url"],
+        )
+        ejections = CounterMetricFamily(
+            "pdserve_router_instance_ejections",
+            "Times the health monitor ejected the instance.",
+            labels=["role", "url"],
+        )
+        restarts = CounterMetricFamily(
+            "pdserve_router_instance_restarts",
+            "Restarts of the instance the router noticed (a new incarnation in /kv/info;"
+            " without /kv/info, every re-admission after an ejection).",
+            labels=["role", "url"],
+        )
         for inst in self._pool.instances:
-            admitted.add_metric([inst.role, inst.url], 1.0 if inst.admitted else 0.0)
-            outstanding.add_metric([inst.role, inst.url], inst.outstanding)
-        yield admitted
-        yield outstanding
+            labels = [inst.role, inst.url]
+            admitted.add_metric(labels, 1.0 if inst.admitted else 0.0)
+            outstanding.add_metric(labels, inst.outstanding)
+            refused.add_metric(labels, 0.0 if inst.refused is None else 1.0)
+            ejections.add_metric(labels, inst.ejections)
+            restarts.add_metric(labels, inst.restarts)
+        yield from (admitted, outstanding, refused, ejections, restarts)
 
 
 class RouterMetrics:
@@ -57,7 +77,8 @@ class RouterMetrics:
         r = self.registry
         self.requests = Counter(
             "pdserve_router_requests",
-            "Client requests by transfer mode and outcome (HTTP status, or"
+            "Client requests by mode (pull, push, local: a short prompt prefilled on D,"
+            " local_fallback: no prefill instance left) and outcome (HTTP status, or"
             " stream_error / client_disconnect once a stream had started).",
             ["mode", "status"],
             registry=r,
@@ -67,6 +88,15 @@ class RouterMetrics:
             "Failed legs by leg and reason"
             " (timeout, connect, http_status, protocol, missing_params).",
             ["leg", "reason"],
+            registry=r,
+        )
+        self.releases = Counter(
+            "pdserve_router_prefill_releases",
+            "Releases of P's hold sent because no decode leg will use it (D refused or"
+            " failed before its stream, or the client left between the legs), by outcome:"
+            " sent (P accepted it), refused (P answered an error, e.g. a bad signature),"
+            " failed (P not reached); a release not sent leaves the blocks to P's lease.",
+            ["outcome"],
             registry=r,
         )
         self.prefill_leg = _hist(

@@ -19,6 +19,7 @@ from pdserve.router.config import (
 )
 from pdserve.server.http_protocol import HeaderDeadlineProtocol, quiet_polls
 from pdserve.server.serve import LISTEN_BACKLOG, UVICORN_LOOP
+from pdserve.transfer.release import TOKEN_ENV, token_from_env
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +63,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         " skipping prefill and transfer (0: never; default: %(default)s, the crossover"
         " measured on 1P1D CPU; docs/router.md)",
     )
+    parser.add_argument(
+        "--cluster-token",
+        default=None,
+        help="the instances' cluster token, to sign the router's releases of prefill holds"
+        f" (default: ${TOKEN_ENV}; unset: releases unsigned, which instances with a token refuse)",
+    )
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument(
@@ -93,6 +100,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         host=args.host,
         port=args.port,
         api_key=args.api_key or None,
+        cluster_token=token_from_env(args.cluster_token),
         request_timeout_s=args.request_timeout,
         local_prefill_below=args.local_prefill_below,
     )

@@ -1,10 +1,12 @@
 """P/D routes of an instance, for routers: `GET /kv/info` (identity), `GET /load` (load
-report, `pdserve.server.load_report`) and `POST /tokenize` (a prompt's token count)."""
+report, `pdserve.server.load_report`), `POST /kv/release` (the router gives up a transfer,
+`pdserve.transfer.release`) and `POST /tokenize` (a prompt's token count)."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from http import HTTPStatus
 from typing import Any
 
 import msgspec
@@ -12,10 +14,12 @@ from fastapi import APIRouter, Request, Response
 from fastapi.params import Depends
 
 from pdserve.engine.handle import EngineHandle
-from pdserve.server.errors import bad_request, read_json_object
+from pdserve.server.errors import APIError, bad_request, read_json_object
 from pdserve.server.load_report import LoadMeter, TokenCount
 from pdserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from pdserve.server.serving import OpenAIServing
+from pdserve.transfer.params import MAX_ID_CHARS, valid_id
+from pdserve.transfer.release import RELEASE_PATH, SIGNATURE_HEADER, ReleaseAuth
 
 
 def kv_routes(
@@ -24,7 +28,8 @@ def kv_routes(
     auth: Sequence[Depends] = (),
 ) -> APIRouter:
     """Routes reading the engine's connector (None on a monolithic instance); `/tokenize`
-    only with `serving`, behind `auth` like /v1/*. The load meter lives in this closure."""
+    only with `serving`; `/tokenize` and `/kv/release` behind `auth` like /v1/*. The load
+    meter lives in this closure."""
     router = APIRouter()
     meter = LoadMeter()
     info_body = msgspec.json.encode(async_engine.info.instance)
@@ -39,6 +44,16 @@ def kv_routes(
         report = meter.report(async_engine.stats(), requests, time.monotonic())
         return Response(msgspec.json.encode(report), media_type="application/json")
 
+    @router.post(RELEASE_PATH, dependencies=list(auth), status_code=202)
+    async def release(request: Request) -> Response:
+        tid = _release_target(async_engine, await read_json_object(request))
+        verdict = async_engine.check_release(tid, request.headers.get(SIGNATURE_HEADER))
+        if verdict is not ReleaseAuth.OK:
+            raise _release_refused(verdict)
+        async_engine.release_transfer(tid)
+        body = msgspec.json.encode({"transfer_id": tid, "status": "accepted"})
+        return Response(body, status_code=202, media_type="application/json")
+
     if serving is not None:
 
         @router.post("/tokenize", dependencies=list(auth))
@@ -48,6 +63,33 @@ def kv_routes(
             return Response(body, media_type="application/json")
 
     return router
+
+
+def _release_target(engine: EngineHandle, body: dict[str, Any]) -> str:
+    """The transfer id a release names, or a 400 saying why it cannot be released here."""
+    if engine.info.limits.role == "both":
+        raise bad_request("this instance is monolithic: it holds no KV for transfers")
+    tid = body.get("transfer_id")
+    if not (isinstance(tid, str) and valid_id(tid)):
+        raise bad_request(
+            f"transfer_id must be 1-{MAX_ID_CHARS} printable ASCII characters, no spaces",
+            param="transfer_id",
+        )
+    return tid
+
+
+def _release_refused(verdict: ReleaseAuth) -> APIError:
+    if verdict is ReleaseAuth.MISSING:
+        return APIError(
+            HTTPStatus.UNAUTHORIZED,
+            f"this instance has a cluster token: a release needs {SIGNATURE_HEADER}",
+            code="missing_release_signature",
+        )
+    return APIError(
+        HTTPStatus.FORBIDDEN,
+        f"{SIGNATURE_HEADER} does not match this instance's cluster token",
+        code="invalid_release_signature",
+    )
 
 
 def _prompt_ids(serving: OpenAIServing, body: dict[str, Any]) -> list[int]:

@@ -15,6 +15,10 @@ Scheduler side (called only from the engine thread; may touch the block pool):
   - `cancel_receive(req)`  D: the request ended while waiting for KV (abort,
     watchdog). Its blocks go to quarantine ("quarantine:<transfer_id>") until no
     write or read can still land in them, then back to the pool.
+  - `release_transfer(tid)`  P: the router will send no decode leg for this transfer
+    (D refused or failed before its stream started, or the client left between the
+    legs; `POST /kv/release`, pdserve.transfer.release). Frees a hold nobody uses yet at
+    once; never one a reader claimed or a write in flight; idempotent.
   - `poll()`  applies what the worker threads reported (KV arrived, KV failed, P's
     hold released) and the deadlines; returns the events the engine must act on.
 
@@ -28,7 +32,9 @@ Worker side (connector threads; never the engine thread, never the block pool):
 Who owns a block, at every moment:
   P: request id (prefilling) -> "hold:<tid>" (lease: pull until D's PullDone or
      `lease_s`, restarted when a reader claims it; push until the WRITE completes,
-     fails, or `lease_s` without a registration) -> free.
+     fails, or `lease_s` without a registration; both: or the router's release, which
+     frees only a hold no reader claimed and no write was posted for, at once or, for a
+     prompt still computing, as soon as it finishes) -> free.
   D: request id (WAITING_FOR_REMOTE_KV, guarded by `recv_timeout_s`) -> running
      request, or -> "quarantine:<tid>" (until the peer acknowledges that no
      transfer is in flight, the peer is dropped, or `quarantine_s` passes) -> free.
@@ -50,6 +56,8 @@ Trust (details and a table in docs/transport.md, "Connector security"):
   expired ones before any message or READ. Whatever the token, D claims a hold (PullClaim)
   before reading it, and P grants it only for exactly the blocks it holds for that
   transfer, to one reader; a PullDone frees only its claimant's hold.
+  The router's release of a hold (`POST /kv/release`) is verified by the HTTP front end
+  with the token (pdserve.transfer.release) before it reaches the engine thread.
   Without a token nothing on the side channel is authenticated: anyone who reaches an
   instance's side-channel or HTTP port can send any message or params, and a client that
   knows a live transfer id and its block ids can read that prompt's KV through D. Push
@@ -219,6 +227,23 @@ class KVConnector:
 
     def prefill_failed(self, req: Request, reason: str) -> None:
         """Default: nothing was promised to anyone yet."""
+
+    def release_transfer(self, tid: str) -> None:
+        """P (engine thread): the router's release of `tid` (module doc); mode hook."""
+        raise NotImplementedError
+
+    def release_unclaimed(self, tid: str) -> bool:
+        """Free the hold of `tid` if no reader has claimed it (engine thread; a claim
+        comes on the receiver thread, so both decide under `holds_lock`). True if freed."""
+        with self.holds_lock:
+            h = self.holds.get(tid)
+            if h is None or h.claimant is not None:
+                return False
+            del self.holds[tid]
+        self.pool.free(h.blocks, f"hold:{tid}")
+        self.stats.released_by_router += 1
+        log.debug("released hold %s (the router's release)", tid)
+        return True
 
     def cancel_receive(self, req: Request) -> None:
         """D: fence the request's blocks until no transfer can land in them.

@@ -23,6 +23,11 @@ _CONNECTOR_COUNTERS: tuple[tuple[str, str, str], ...] = (
     ("pdserve_kv_descriptors", "Descriptors posted (after coalescing).", "descriptors"),
     ("pdserve_kv_failed_transfers", "Transfers that failed a request.", "failures"),
     ("pdserve_kv_lease_expired", "Held prompt KV freed by lease expiry.", "lease_expired"),
+    (
+        "pdserve_kv_released_by_router",
+        "P: held prompt KV freed at once by the router's release (no decode leg will use it).",
+        "released_by_router",
+    ),
     ("pdserve_kv_recv_timeouts", "D: requests failed by the KV watchdog.", "recv_timeouts"),
     (
         "pdserve_kv_registrations_expired",

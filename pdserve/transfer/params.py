@@ -76,6 +76,11 @@ _DECODE_PULL += ("remote_num_tokens", "first_token_id", "transfer_id")
 _DECODE_PUSH = ("transfer_id", "remote_engine_id", "remote_host", "remote_port")
 
 
+def valid_id(value: str) -> bool:
+    """Whether `value` may name a transfer, engine or incarnation (bounded printable ASCII)."""
+    return len(value) <= MAX_ID_CHARS and _ID_RE.fullmatch(value) is not None
+
+
 def parse_kv_transfer_params(raw: Any) -> KVTransferParams:
     """Decode and check a request's `kv_transfer_params`; raises InvalidKVTransferParams."""
     try:
@@ -111,7 +116,7 @@ def _check_fields(p: KVTransferParams) -> None:
     """Each field on its own: ids, address, block ids, counts."""
     for name in ("transfer_id", "remote_engine_id", "remote_incarnation"):
         value = getattr(p, name)
-        if value is not None and not (len(value) <= MAX_ID_CHARS and _ID_RE.fullmatch(value)):
+        if value is not None and not valid_id(value):
             raise _bad(name, f"must be 1-{MAX_ID_CHARS} printable ASCII characters, no spaces")
     if p.remote_host is not None and not _is_host(p.remote_host):
         raise _bad("remote_host", "must be an IP address or a DNS name")

@@ -3,6 +3,9 @@
 P (engine thread): `prefill_done` moves the blocks to "hold:<tid>" with a lease of
   `lease_s` and returns their ids to the router (signed with the cluster token, if any,
   with the lease's end as `expires_at`). D's PullDone or the lease's end frees them.
+P (engine thread): the router's release (`release_transfer`) frees a hold no reader has
+  claimed; a claimed one belongs to its reader's PullDone. A release that comes while the
+  prompt is still computing is remembered, and the hold freed as soon as it is made.
 P (side-channel receiver): a PullClaim is granted only if P still holds exactly the named
   blocks for that transfer and nobody else claimed them; the hold then belongs to the
   claimant (its lease starts again) and only the claimant's PullDone frees it early (an
@@ -79,6 +82,9 @@ class PullConnector(KVConnector):
         token = self.cfg.cluster_token
         self._key = token.encode() if token else None
         self._lanes: Lanes[_ReadJob] = Lanes(self._run, "pdserve-pull", MAX_LANES, LANE_IDLE_S)
+        # P: transfers the router released while their prompt was still computing (engine
+        # thread; an entry lives at most as long as its prompt).
+        self._release_when_done: set[str] = set()
 
     # -- P -------------------------------------------------------------------------------
     def prefill_done(self, req: Request, first_token: int) -> KVTransferParams:
@@ -98,7 +104,19 @@ class PullConnector(KVConnector):
             prefill_done_time=h.done_time,
             expires_at=time.time() + self.cfg.lease_s,
         )
+        if h.transfer_id in self._release_when_done:  # the router gave up on it meanwhile
+            self._release_when_done.discard(h.transfer_id)
+            self.release_unclaimed(h.transfer_id)
         return sign(params, self._key) if self._key else params
+
+    def prefill_failed(self, req: Request, reason: str) -> None:
+        self._release_when_done.discard(transfer_id_of(req))
+
+    def release_transfer(self, tid: str) -> None:
+        """P: free the hold of `tid` unless a reader claimed it (its PullDone frees it)."""
+        freed = self.release_unclaimed(tid)
+        if not freed and tid not in self.holds and tid in self.prompts_alive:
+            self._release_when_done.add(tid)  # still computing: free the hold once it is made
 
     def on_message(self, msg: m.Message) -> None:
         if isinstance(msg, m.PullClaim):

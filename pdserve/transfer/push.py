@@ -29,6 +29,12 @@ P (writer thread): pairs registrations and finished prompts by transfer id, in e
   when the router sends both legs at once), and sends PushDone as a notification once the
   prompt is done and every layer's write is DONE. A prompt that ends before its
   registration comes goes as one write, as above.
+P (writer thread), the router's release (`release_transfer`, queued to the writer, which
+  alone knows what is posted): a finished prompt not posted yet is freed at once; one
+  still computing is marked and freed when it finishes; a transfer with a write in flight
+  or streaming is left alone (it completes, or D aborts it); a registration with nothing
+  posted is dropped and D told (PushFailed), so D fails at once instead of at its
+  watchdog. A registration that comes after the release gets the same PushFailed.
 P (completion watcher thread): blocks on each posted write until the transport finishes it
   and then wakes the writer, so the writer sleeps on its inbox instead of polling every
   millisecond while writes are in flight (that poll took P's core and GIL from prefill).
@@ -91,6 +97,16 @@ class _Finished:
 class _PrefillFailed:
     transfer_id: str
     reason: str
+
+
+@dataclass
+class _RouterRelease:
+    """P engine thread -> writer: the router will send no decode leg for this transfer."""
+
+    transfer_id: str
+
+
+RELEASED_REASON = "the router released this transfer (its request ended before decoding)"
 
 
 @dataclass
@@ -284,6 +300,11 @@ class PushConnector(KVConnector):
     def prefill_failed(self, req: Request, reason: str) -> None:
         self._inbox.put(_PrefillFailed(transfer_id_of(req), reason))
 
+    def release_transfer(self, tid: str) -> None:
+        """P: hand the router's release to the writer (module doc); D has no writer."""
+        if self.cfg.role != "decode":
+            self._inbox.put(_RouterRelease(tid))
+
     def layer_hook(self, reqs: list[Request]):
         """Stream these prompts one layer at a time (engine thread).
 
@@ -328,6 +349,8 @@ class PushConnector(KVConnector):
 
     def _writer_take(self, w: _WriterState, item: object) -> None:
         now = time.monotonic()
+        if self._writer_take_released(w, item):
+            return
         if isinstance(item, m.PushRegistration):
             w.regs[item.transfer_id] = (item, now)
             for layer in w.early.pop(item.transfer_id, []):
@@ -350,6 +373,40 @@ class PushConnector(KVConnector):
             self._writer_abort(w, item)
         elif isinstance(item, _LayerReady):
             self._post_layer(w, item)
+
+    def _writer_take_released(self, w: _WriterState, item: object) -> bool:
+        """Handle `item` if it is the router's release or concerns a released transfer."""
+        if isinstance(item, _RouterRelease):
+            self._writer_release(w, item.transfer_id)
+            return True
+        tid = getattr(item, "transfer_id", None)
+        if tid not in w.released:
+            return False
+        if isinstance(item, m.PushRegistration):  # D registered after the release
+            self._registered.discard(tid)
+            self._fail_remote(item, RELEASED_REASON)
+        elif isinstance(item, _Finished):
+            self._release_for_router(tid)
+        elif not isinstance(item, _LayerReady):  # layers of a released prompt are dropped
+            return False
+        return True
+
+    def _writer_release(self, w: _WriterState, tid: str) -> None:
+        """The router's release of `tid`, by the writer's state of it (module doc)."""
+        if tid in w.inflight or tid in w.streams:
+            return  # a write is on its way: it completes, or D aborts it
+        w.released[tid] = time.monotonic() + self.cfg.registration_ttl_s
+        w.early.pop(tid, None)
+        entry = w.regs.pop(tid, None)
+        if entry is not None:  # D waits for a write that will never come: tell it now
+            self._registered.discard(tid)
+            self._fail_remote(entry[0], RELEASED_REASON)
+        if (w.finished.pop(tid, None) or w.delayed.pop(tid, None)) is not None:
+            self._release_for_router(tid)
+
+    def _release_for_router(self, tid: str) -> None:
+        self.stats.released_by_router += 1
+        self.report(ReleaseHold(tid, "released by the router"))
 
     def _writer_pair(self, w: _WriterState) -> None:
         now = time.monotonic()
@@ -585,6 +642,9 @@ class PushConnector(KVConnector):
             w.finished.pop(tid)
             self.stats.lease_expired += 1
             self.report(ReleaseHold(tid, "no decode registered"))
+        # A released transfer's mark outlives its prompt: a registration may still come.
+        for tid in [t for t, dl in w.released.items() if dl < now and t not in self.prompts_alive]:
+            del w.released[tid]
         for d in (w.failed, w.aborted):
             for tid in [t for t, v in d.items() if (v[1] if isinstance(v, tuple) else v) < now]:
                 del d[tid]
@@ -625,3 +685,5 @@ class _WriterState:
         # Layers of prompts still computing whose registration has not come yet (posted when
         # it comes; dropped when the prompt ends first, fails or D aborts).
         self.early: dict[str, list[_LayerReady]] = {}
+        # Transfers the router released -> when the mark may go (once its prompt is gone).
+        self.released: dict[str, float] = {}

@@ -23,6 +23,7 @@ class ConnectorStats(msgspec.Struct):
     peers_down: int = 0
     received: int = 0  # D: prompts whose KV arrived
     recv_wait_seconds: float = 0.0  # D: admission (push: registration) to arrival, summed
+    released_by_router: int = 0  # P: holds freed by the router's release (POST /kv/release)
 
 
 class WriterStats(msgspec.Struct):
