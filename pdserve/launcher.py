@@ -59,6 +59,7 @@ import contextlib
 import logging
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -72,12 +73,13 @@ from typing import TYPE_CHECKING, Literal
 
 import httpx
 
+from pdserve.logdir import LogDirError, private_dir, private_file
 from pdserve.ports import EXIT_ADDRESS_IN_USE, free_ports, listens
 from pdserve.restarts import GiveUp, RestartPolicy
 from pdserve.router.config import POLICY_NAMES
 
 if TYPE_CHECKING:
-    from pdserve.supervisor import Event
+    from pdserve.supervisor import Event, Supervisor
 
 log = logging.getLogger(__name__)
 
@@ -242,6 +244,8 @@ class Cluster:
         self.config = config
         self._instance_command = instance_command  # None: `serve_command`
         self._env = dict(os.environ if env is None else env)
+        # A temporary folder (mode 0700) is the cluster's own: `remove_log_dir` may delete it.
+        self.log_dir_is_temporary = config.log_dir is None
         self.log_dir = config.log_dir or Path(tempfile.mkdtemp(prefix="pdserve-up-"))
         self.cluster_token = (
             config.cluster_token or self._env.get(TOKEN_ENV) or secrets.token_hex(16)
@@ -255,7 +259,10 @@ class Cluster:
         """Start everything and wait until all of it is healthy (bounded). Ports are picked
         anew and everything started again when a child finds a port taken (a race with
         other processes that picking ports ahead cannot close), up to `START_ATTEMPTS`."""
-        self.log_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            private_dir(self.log_dir)
+        except LogDirError as exc:
+            raise ClusterError(str(exc)) from None
         deadline = time.monotonic() + self.config.startup_timeout_s
         for _ in range(START_ATTEMPTS - 1):
             try:
@@ -511,11 +518,18 @@ class Cluster:
         cores = [c for p in self.instances if p.role == "prefill" for c in (p.cores or ())]
         return tuple(sorted(set(cores))) or None
 
+    def remove_log_dir(self) -> bool:
+        """Delete the log folder if the cluster made it (a temporary one); True if deleted."""
+        if not self.log_dir_is_temporary:
+            return False
+        shutil.rmtree(self.log_dir, ignore_errors=True)
+        return True
+
     def write_token_file(self) -> Path:
-        """The cluster token in `<log dir>/cluster-token`, readable by the owner only."""
+        """The cluster token in `<log dir>/cluster-token`, a new file readable by the owner
+        only (`pdserve.logdir.private_file`)."""
         path = self.log_dir / TOKEN_FILE
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
+        with os.fdopen(private_file(path), "w") as f:
             f.write(self.cluster_token + "\n")
         return path
 
@@ -538,7 +552,7 @@ class Cluster:
         append: bool = False,
     ) -> ManagedProcess:
         log_path = self.log_dir / f"{name}.log"
-        with open(log_path, "ab" if append else "wb") as out:
+        with os.fdopen(private_file(log_path, append), "wb") as out:
             out.write(f"$ {' '.join(cmd)}\n".encode())
             out.flush()
             popen = subprocess.Popen(
@@ -652,7 +666,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(pdserve.transfer.hoptrace), like '-- --log-level debug' does for the instances",
     )
     parser.add_argument(
-        "--log-dir", type=Path, help="one log file per process (default: a temp dir)"
+        "--log-dir",
+        type=Path,
+        help="one log file per process and the cluster token; created with mode 0700, or an "
+        "existing folder of yours that nobody else may access (default: a temporary folder, "
+        "deleted on a clean exit unless --keep-logs)",
+    )
+    parser.add_argument(
+        "--keep-logs",
+        action="store_true",
+        help="keep the temporary log folder after a clean exit (it is always kept after a "
+        "failure, and a --log-dir is never deleted)",
     )
     parser.add_argument("--no-pin", action="store_true", help="do not pin instances to cores")
     parser.add_argument(
@@ -781,11 +805,23 @@ def main(args: argparse.Namespace) -> int:
     cluster = Cluster(config_from_args(args))
     stop = _StopRequest()
     previous = {s: signal.signal(s, stop.on_signal) for s in _STOP_SIGNALS}
+    status = 1
     try:
         print(f"pdserve up: starting; logs in {cluster.log_dir}", flush=True)
+        status = _run(cluster, Supervisor(cluster, policy, on_event=_printer(cluster)), stop)
+        return status
+    finally:
+        cluster.stop()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        _after_stop(cluster, status, keep_logs=args.keep_logs)
+
+
+def _run(cluster: Cluster, supervisor: Supervisor, stop: _StopRequest) -> int:
+    """Start, then supervise until told to stop (0) or the cluster cannot serve (1)."""
+    try:
         cluster.start()
         _print_summary(cluster, cluster.write_token_file())
-        supervisor = Supervisor(cluster, policy, on_event=lambda e: _print_event(cluster, e))
         stop.supervising = True
         if supervisor.run(stop.requested) is not None:
             return 1  # the cluster cannot serve any more (the supervisor said why)
@@ -797,10 +833,18 @@ def main(args: argparse.Namespace) -> int:
     except ClusterError as exc:
         print(f"pdserve up: {exc}", file=sys.stderr, flush=True)
         return 1
-    finally:
-        cluster.stop()
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+
+
+def _printer(cluster: Cluster) -> Callable[[Event], None]:
+    return lambda event: _print_event(cluster, event)
+
+
+def _after_stop(cluster: Cluster, status: int, keep_logs: bool) -> None:
+    """A clean exit deletes the temporary log folder (unless kept); a failure keeps it."""
+    if status == 0 and not keep_logs and cluster.remove_log_dir():
+        print("pdserve up: stopped; logs removed (--keep-logs keeps them)", flush=True)
+    elif cluster.log_dir.exists():
+        print(f"pdserve up: stopped; logs in {cluster.log_dir}", flush=True)
 
 
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)

@@ -226,8 +226,9 @@ def test_monolithic_cluster_has_no_router(tmp_path: Path) -> None:
     assert _gone(inst.popen)
 
 
-def _run_up(tmp_path: Path, *argv: str) -> tuple[subprocess.Popen[str], list[str]]:
-    """`pdserve up ARGV` in a subprocess with fake instances; returns once it is ready."""
+def _run_up(tmp_path: Path | None, *argv: str) -> tuple[subprocess.Popen[str], list[str]]:
+    """`pdserve up ARGV` in a subprocess with fake instances; returns once it is ready.
+    `tmp_path` is its `--log-dir` (None: none given, `up` makes a temporary one)."""
     script = (
         "import sys; sys.path.insert(0, sys.argv[1]);"
         "import pdserve.launcher as launcher, test_launcher_cluster as t;"
@@ -243,8 +244,7 @@ def _run_up(tmp_path: Path, *argv: str) -> tuple[subprocess.Popen[str], list[str
         *argv,
         "--port",
         "0",
-        "--log-dir",
-        str(tmp_path),
+        *(["--log-dir", str(tmp_path)] if tmp_path is not None else []),
     ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: list[str] = []
