@@ -18,7 +18,7 @@ import httpx
 import pytest
 import zmq
 
-from pdserve.launcher import ManagedProcess, _healthy
+from pdserve.launcher import ManagedProcess, is_healthy
 from pdserve.ports import bind_socket, free_ports, is_address_in_use, listens
 
 pytestmark = pytest.mark.timeout(60)
@@ -93,7 +93,7 @@ def test_health_answered_by_another_process_does_not_count(tmp_path: Path) -> No
         with sleeper() as child, httpx.Client(trust_env=False) as client:
             assert client.get(f"{url}/health").status_code == 200
             beaten = ManagedProcess("prefill-0", "prefill", url, child, None, tmp_path / "log")
-            assert not _healthy(client, beaten)
+            assert not is_healthy(client, beaten)
     finally:
         server.shutdown()
         server.server_close()
