@@ -283,8 +283,8 @@ class Cluster:
             if not self.config.monolithic:
                 self.router = self._start_router(self.config.port or router_port)
             _wait_healthy(self.instances, deadline)
-            if self.router is not None:
-                _wait_healthy([self.router], deadline)
+            if self.router is not None:  # ready once it has admitted every instance
+                _wait_healthy([self.router], deadline, ready=router_sees_all)
         except BaseException:
             self.stop()
             raise
@@ -582,9 +582,14 @@ def _thread_affinities(pid: int) -> Iterator[tuple[int, set[int]]]:
                 yield int(tid), os.sched_getaffinity(int(tid))
 
 
-def _wait_healthy(procs: Sequence[ManagedProcess], deadline: float) -> None:
-    """Return when every process answers /health 200; raise ClusterError with the log tail
-    of the first process that exits or of those still unhealthy at the deadline."""
+def _wait_healthy(
+    procs: Sequence[ManagedProcess],
+    deadline: float,
+    ready: Callable[[httpx.Client, ManagedProcess], bool] | None = None,
+) -> None:
+    """Return when every process is `ready` (default `is_healthy`); raise ClusterError with
+    the log tail of the first process that exits or of those not ready at the deadline."""
+    ready = ready or is_healthy
     pending = list(procs)
     with httpx.Client(trust_env=False, timeout=1.0) as client:
         while pending:
@@ -596,7 +601,7 @@ def _wait_healthy(procs: Sequence[ManagedProcess], deadline: float) -> None:
                         f"{p.log_path}:\n{p.log_tail()}",
                         port_in_use=p.ports_picked and p.popen.returncode == EXIT_ADDRESS_IN_USE,
                     )
-                if is_healthy(client, p):
+                if ready(client, p):
                     pending.remove(p)
             if pending and time.monotonic() > deadline:
                 tails = "\n".join(f"--- {p.name} ({p.log_path}):\n{p.log_tail()}" for p in pending)
@@ -604,6 +609,22 @@ def _wait_healthy(procs: Sequence[ManagedProcess], deadline: float) -> None:
                 raise ClusterError(f"not healthy in time: {names}\n{tails}")
             if pending:
                 time.sleep(0.2)
+
+
+def router_sees_all(client: httpx.Client, p: ManagedProcess) -> bool:
+    """The router answers /health 200 having admitted every instance: a router that serves
+    degraded (no prefill instance admitted yet: it would prefill on decode) is not ready
+    for a cluster that is just starting."""
+    try:
+        r = client.get(f"{p.url}/health")
+        body = r.json()
+        complete = all(body[role]["healthy"] == body[role]["total"] for role in _ROLES)
+    except (httpx.HTTPError, ValueError, KeyError, TypeError):
+        return False
+    return r.status_code == 200 and complete and listens(p.pid, _port_of(p.url))
+
+
+_ROLES = ("prefill", "decode")
 
 
 def is_healthy(client: httpx.Client, p: ManagedProcess) -> bool:
@@ -808,7 +829,8 @@ def main(args: argparse.Namespace) -> int:
     status = 1
     try:
         print(f"pdserve up: starting; logs in {cluster.log_dir}", flush=True)
-        status = _run(cluster, Supervisor(cluster, policy, on_event=_printer(cluster)), stop)
+        supervisor = lambda: Supervisor(cluster, policy, on_event=_printer(cluster))  # noqa: E731
+        status = _run(cluster, supervisor, stop)
         return status
     finally:
         cluster.stop()
@@ -817,13 +839,14 @@ def main(args: argparse.Namespace) -> int:
         _after_stop(cluster, status, keep_logs=args.keep_logs)
 
 
-def _run(cluster: Cluster, supervisor: Supervisor, stop: _StopRequest) -> int:
-    """Start, then supervise until told to stop (0) or the cluster cannot serve (1)."""
+def _run(cluster: Cluster, supervisor: Callable[[], Supervisor], stop: _StopRequest) -> int:
+    """Start, then supervise until told to stop (0) or the cluster cannot serve (1). The
+    supervisor is made once the cluster has started: it watches the children it finds."""
     try:
         cluster.start()
         _print_summary(cluster, cluster.write_token_file())
         stop.supervising = True
-        if supervisor.run(stop.requested) is not None:
+        if supervisor().run(stop.requested) is not None:
             return 1  # the cluster cannot serve any more (the supervisor said why)
         print("pdserve up: stopping", flush=True)
         return 0

@@ -35,10 +35,18 @@ class LockstepDecode:
         self.seen = [threading.Event() for _ in range(NUM_EVENTS)]
         self.held_back: list[int] = []  # the first event the client had not seen in WAIT_S
         self.sent = 0
-        fake = FakeInstance("decode")  # only its identity (`/kv/info`) is used
-        self._info = fake.info()
+        self._fake = FakeInstance("decode")  # only its identity (`/kv/info`) is used
         self._server = ThreadServer(self._app())
         self.url = self._server.url
+
+    @property
+    def mode(self) -> str | None:
+        """The transfer mode `/kv/info` reports (`running_router` fits it to the router)."""
+        return self._fake.mode
+
+    @mode.setter
+    def mode(self, value: str | None) -> None:
+        self._fake.mode = value
 
     def __enter__(self) -> LockstepDecode:
         self._server.start()
@@ -52,7 +60,7 @@ class LockstepDecode:
     def _app(self) -> FastAPI:
         app = FastAPI()
         app.get("/health")(lambda: {})
-        app.get("/kv/info")(lambda: self._info)
+        app.get("/kv/info")(lambda: self._fake.info())
         app.get("/v1/models")(lambda: {"object": "list", "data": [{"id": MODEL}]})
 
         @app.post("/v1/completions")
