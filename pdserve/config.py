@@ -76,6 +76,9 @@ class ServerConfig:
     port: int = 8000
     served_model_name: str | None = None  # None: derived from the model path
     api_key: str | None = None
+    # A P/D instance's cluster token (its connector's; None on a monolithic instance): P/D
+    # legs and routes for routers need a proof of it (pdserve.transfer.cluster_auth).
+    cluster_token: str | None = None
 
 
 @dataclass(frozen=True)

@@ -77,6 +77,7 @@ from pdserve.logdir import LogDirError, private_dir, private_file
 from pdserve.ports import EXIT_ADDRESS_IN_USE, free_ports, listens
 from pdserve.restarts import GiveUp, RestartPolicy
 from pdserve.router.config import POLICY_NAMES
+from pdserve.server.exposure import up_warning
 
 if TYPE_CHECKING:
     from pdserve.supervisor import Event, Supervisor
@@ -824,6 +825,8 @@ def main(args: argparse.Namespace) -> int:
         print(f"pdserve up: {exc}", file=sys.stderr, flush=True)
         return 2
     cluster = Cluster(config_from_args(args))
+    if warning := up_warning(cluster.config.host, cluster.config.api_key):
+        log.warning("WARNING: %s", warning)  # this format shows no level name
     stop = _StopRequest()
     previous = {s: signal.signal(s, stop.on_signal) for s in _STOP_SIGNALS}
     status = 1

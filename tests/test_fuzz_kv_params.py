@@ -33,6 +33,7 @@ from pdserve.engine.engine import LLMEngine
 from pdserve.model.loader import LoadedModel, load_model
 from pdserve.server.app import create_app
 from pdserve.transfer import messages as m
+from pdserve.transfer.cluster_auth import LEG_SIGNATURE_HEADER, sign_leg
 from pdserve.transfer.side_channel import Address, SideChannel
 from tests.pd_harness import make_engine
 
@@ -53,20 +54,23 @@ PATIENT_D_KW = {"handshake_timeout_s": 300.0, "recv_timeout_s": 300.0, "heartbea
 
 @dataclass
 class Served:
-    """One instance: its engine (read-only from tests) and a client for its app."""
+    """One instance: its engine (read-only from tests) and a client for its app. With a
+    cluster token, legs are signed as the router signs them (the tests play the router)."""
 
     llm: LLMEngine
     engine: AsyncEngine
     client: TestClient
+    token: str | None = None
 
     def complete(self, ids: list[int], kv: dict[str, Any] | None, **extra: Any) -> Any:
         body: dict[str, Any] = {"prompt": ids, **GREEDY, **extra}
+        headers = {"Content-Type": "application/json"}
         if kv is not None:
             body["kv_transfer_params"] = kv
+            if self.token is not None:
+                headers[LEG_SIGNATURE_HEADER] = sign_leg(self.token, kv)
         return self.client.post(
-            "/v1/completions",
-            content=json.dumps(body).encode(),
-            headers={"Content-Type": "application/json"},
+            "/v1/completions", content=json.dumps(body).encode(), headers=headers
         )
 
     def drained(self, timeout: float = 60.0) -> bool:
@@ -143,13 +147,16 @@ class PD:
 
 
 def serve(llm: LLMEngine, stack: list[Callable[[], None]]) -> Served:
+    """`llm` behind its app, with its connector's cluster token (as `pdserve serve` does)."""
     engine = AsyncEngine(llm)
     engine.start()
-    client = TestClient(create_app(engine, ServerConfig()), raise_server_exceptions=False)
+    token = llm.connector.cfg.cluster_token if llm.connector is not None else None
+    app = create_app(engine, ServerConfig(cluster_token=token))
+    client = TestClient(app, raise_server_exceptions=False)
     client.__enter__()
     stack.append(engine.shutdown)
     stack.append(lambda: client.__exit__(None, None, None))
-    return Served(llm, engine, client)
+    return Served(llm, engine, client, token)
 
 
 @pytest.fixture(scope="module")

@@ -17,6 +17,7 @@ import procs
 import pytest
 
 from pdserve.launcher import Cluster, ClusterConfig
+from pdserve.transfer.cluster_auth import LEG_SIGNATURE_HEADER, route_headers, sign_leg
 from pdserve.transfer.transport import BackendUnavailableError
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -57,15 +58,18 @@ def instance_urls(cluster: Cluster) -> list[str]:
     return [inst.url for inst in cluster.instances]
 
 
+def blocks_used(cluster: Cluster, url: str) -> int:
+    """An instance's KV blocks in use (`/load`, which needs a proof of the cluster token)."""
+    headers = route_headers(cluster.cluster_token, "/load")
+    return httpx.get(f"{url}/load", headers=headers, timeout=5).json()["kv_blocks_used"]
+
+
 def wait_blocks_free(cluster: Cluster, timeout: float = 60.0) -> None:
     """Every instance's pool returns to full (leases, writes and quarantines end)."""
     deadline = time.monotonic() + timeout
     used: dict[str, int] = {}
     while time.monotonic() < deadline:
-        used = {
-            u: httpx.get(f"{u}/load", timeout=5).json()["kv_blocks_used"]
-            for u in instance_urls(cluster)
-        }
+        used = {u: blocks_used(cluster, u) for u in instance_urls(cluster)}
         if not any(used.values()):
             return
         time.sleep(0.2)
@@ -226,11 +230,13 @@ def test_pull_lease_expiry_frees_prefill_blocks(tmp_path) -> None:
             "temperature": 0,
             "kv_transfer_params": {"do_remote_decode": True, "transfer_mode": "pull"},
         }
-        r = httpx.post(f"{prefill}/v1/completions", json=body, timeout=60)
+        # Sent as the router sends a P leg: signed with the cluster token.
+        signed = {LEG_SIGNATURE_HEADER: sign_leg(cluster.cluster_token, body["kv_transfer_params"])}
+        r = httpx.post(f"{prefill}/v1/completions", json=body, headers=signed, timeout=60)
         assert r.status_code == 200, r.text
         params = r.json()["kv_transfer_params"]
         assert params["remote_block_ids"]
-        used = httpx.get(f"{prefill}/load").json()["kv_blocks_used"]
+        used = blocks_used(cluster, prefill)
         # Held for D while the lease runs. Only checked if the answer came well inside the
         # lease: a loaded machine may be slower than the 1 s lease between the two calls.
         if time.time() < params["expires_at"] - 0.1:

@@ -16,6 +16,7 @@ from contextlib import ExitStack
 import httpx
 import pytest
 
+from pdserve.transfer.cluster_auth import LEG_SIGNATURE_HEADER, sign_leg
 from pdserve.transfer.release import SIGNATURE_HEADER, release_signature
 from tests.procs import PdserveProcess
 
@@ -107,7 +108,8 @@ def test_unsigned_or_forged_release_frees_nothing(pull: Cluster) -> None:
         "temperature": 0,
         "kv_transfer_params": {"do_remote_decode": True, "transfer_mode": "pull"},
     }
-    r = httpx.post(f"{pull.p.url}/v1/completions", json=body, timeout=60)
+    leg = {LEG_SIGNATURE_HEADER: sign_leg(TOKEN, body["kv_transfer_params"])}  # as the router
+    r = httpx.post(f"{pull.p.url}/v1/completions", json=body, headers=leg, timeout=60)
     assert r.status_code == 200, r.text
     tid = r.json()["kv_transfer_params"]["transfer_id"]
     held = pull.metric("pdserve_kv_blocks_held")

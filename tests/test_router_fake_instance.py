@@ -32,6 +32,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pdserve.ports import free_port
 from pdserve.router.upstream import Answer
+from pdserve.transfer.cluster_auth import CLUSTER_AUTH_HEADER, Proof, check_route
 from pdserve.transfer.release import SIGNATURE_HEADER as RELEASE_HEADER
 
 MODEL = "fake-model"
@@ -125,6 +126,8 @@ class FakeInstance:
         self.mode = mode
         self.model = MODEL  # the model /kv/info reports
         self.transport = "tcp"
+        # With a token, /kv/info and /load answer 401 without a proof of it, as instances do.
+        self.cluster_token: str | None = None
         self.released: list[tuple[str, str | None]] = []  # POST /kv/release: (id, signature)
         self.behavior = Behavior(**kw)
         self.engine_id = f"fake-{role}-{uuid.uuid4().hex[:8]}"
@@ -165,8 +168,8 @@ def build_app(fake: FakeInstance) -> FastAPI:
         return Response(status_code=200 if fake.behavior.healthy else 503)
 
     @app.get("/kv/info")
-    async def kv_info() -> dict[str, Any]:
-        return fake.info()
+    async def kv_info(request: Request) -> Any:
+        return _unproven(fake, request) or fake.info()
 
     @app.post("/kv/release")
     async def release(request: Request) -> Response:
@@ -175,8 +178,8 @@ def build_app(fake: FakeInstance) -> FastAPI:
         return JSONResponse({"transfer_id": body["transfer_id"]}, status_code=202)
 
     @app.get("/load")
-    async def load() -> dict[str, Any]:
-        return fake.behavior.load
+    async def load(request: Request) -> Any:
+        return _unproven(fake, request) or fake.behavior.load
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict[str, int]:
@@ -198,6 +201,14 @@ def build_app(fake: FakeInstance) -> FastAPI:
         return await _complete(fake, request)
 
     return app
+
+
+def _unproven(fake: FakeInstance, request: Request) -> Response | None:
+    """A 401 for a route for routers read without a proof of the fake's cluster token."""
+    header = request.headers.get(CLUSTER_AUTH_HEADER)
+    if check_route(fake.cluster_token, request.url.path, header) is Proof.OK:
+        return None
+    return JSONResponse({"error": {"message": "no proof"}}, status_code=401)
 
 
 async def _complete(fake: FakeInstance, request: Request) -> Response:

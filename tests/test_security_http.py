@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,6 +27,7 @@ from pdserve.config import ConnectorConfig, ServerConfig, TransportConfig
 from pdserve.router.app import create_app
 from pdserve.router.config import RouterConfig
 from pdserve.server.body_limit import MAX_BODY_BYTES
+from pdserve.server.exposure import router_warning, serve_warning, up_warning
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -177,3 +180,43 @@ def test_a_started_router_listens_on_loopback_only() -> None:
 @pytest.mark.parametrize("path", ["/docs", "/redoc", "/openapi.json"])
 def test_the_router_publishes_no_api_map(router: TestClient, path: str) -> None:
     assert router.get(path).status_code == 404
+
+
+# -- the loud warning ---------------------------------------------------------------------
+
+
+def test_exposure_warnings_say_what_is_exposed_and_how_to_fix_it() -> None:
+    assert serve_warning("prefill", "127.0.0.1", "127.0.0.1", None) is None
+    assert serve_warning("decode", "0.0.0.0", "10.0.0.2", "token") is None
+    assert serve_warning("both", "0.0.0.0", "0.0.0.0", None) is None  # no P/D legs
+    text = serve_warning("decode", "0.0.0.0", "::1", None)
+    assert text and "HTTP on 0.0.0.0" in text and "KV side" not in text
+    assert "--cluster-token" in text and "P/D legs" in text
+    assert "KV side channel and transport on 10.0.0.2" in str(
+        serve_warning("prefill", "localhost", "10.0.0.2", None)
+    )
+    assert router_warning("127.0.0.1", ["http://127.0.0.1:1", "http://[::1]:2"], None) is None
+    assert router_warning("0.0.0.0", ["http://10.0.0.1:1"], "token") is None
+    assert "--cluster-token" in str(router_warning("0.0.0.0", ["http://127.0.0.1:1"], None))
+    assert "http://10.0.0.1:1" in str(router_warning("127.0.0.1", ["http://10.0.0.1:1"], None))
+    assert up_warning("127.0.0.1", None) is None and up_warning("0.0.0.0", "key") is None
+    assert "--api-key" in str(up_warning("0.0.0.0", None))
+
+
+def test_a_pd_instance_warns_at_start_when_its_kv_host_is_open_without_a_token() -> None:
+    """A wildcard --kv-host without --kv-advertise-host is refused after the warning, so
+    nothing ever listens beyond loopback here."""
+    env = {k: v for k, v in os.environ.items() if k != "PDSERVE_CLUSTER_TOKEN"}
+    args = ["serve", "--role", "prefill", "--kv-transfer", "push", "--kv-host", "0.0.0.0"]
+    args += ["--port", "0", "--threads", "1", "--model", "builtin:tiny"]
+    done = subprocess.run(
+        [sys.executable, "-m", "pdserve", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).resolve().parent.parent,
+    )
+    assert done.returncode == 2, done.stderr
+    assert "WARNING pdserve.serve: this prefill instance listens beyond loopback" in done.stderr
+    assert "WITHOUT a cluster token" in done.stderr and "--cluster-token" in done.stderr

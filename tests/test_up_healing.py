@@ -35,6 +35,7 @@ import pytest
 from pdserve.launcher import Cluster, ClusterConfig
 from pdserve.ports import free_port
 from pdserve.supervisor import ChildBack, Supervisor
+from pdserve.transfer.cluster_auth import route_headers
 from tests.procs import REPO_ROOT
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -45,6 +46,7 @@ IDLE_S = 60.0  # the pools are empty this soon after the load ends
 CLIENTS = 4  # half streaming
 MAX_TOKENS = 8
 # Short leases: a hold for a killed peer ends soon (the default, 30 s, would slow the test).
+TOKEN = "up-healing-token"  # /kv/info and /load need a proof of it
 INSTANCE_ARGS = ("--kv-lease", "5")
 
 
@@ -197,12 +199,17 @@ async def _back(sup: Supervisor, name: str, old_pid: int, timeout: float = 120) 
 
 
 def _incarnation(url: str) -> str:
-    return httpx.get(f"{url}/kv/info", timeout=5, trust_env=False).json()["incarnation"]
+    proof = route_headers(TOKEN, "/kv/info")
+    return httpx.get(f"{url}/kv/info", headers=proof, timeout=5, trust_env=False).json()[
+        "incarnation"
+    ]
 
 
 def _blocks(url: str) -> tuple[int, float]:
     """(KV blocks used, blocks the connector holds) of the instance at `url`."""
-    used = httpx.get(f"{url}/load", timeout=5, trust_env=False).json()["kv_blocks_used"]
+    proof = route_headers(TOKEN, "/load")
+    load = httpx.get(f"{url}/load", headers=proof, timeout=5, trust_env=False).json()
+    used = load["kv_blocks_used"]
     metrics = httpx.get(f"{url}/metrics", timeout=5, trust_env=False).text
     held = sum(
         float(line.rsplit(" ", 1)[1])
@@ -257,6 +264,7 @@ def _config(tmp_path: Path, mode: str, prefill: int = 1, decode: int = 1) -> Clu
         log_dir=tmp_path,
         instance_args=INSTANCE_ARGS,
         startup_timeout_s=120.0,
+        cluster_token=TOKEN,  # /kv/info and /load need a proof of it
     )
 
 

@@ -22,6 +22,7 @@ import httpx
 import pytest
 
 from pdserve.launcher import Cluster, ClusterConfig, ManagedProcess
+from pdserve.transfer.cluster_auth import route_headers
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -30,6 +31,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 CLIENT_TIMEOUT_S = 60.0
 EJECTED = "ejected: not answering health checks"
 MODEL = "builtin:tiny"
+TOKEN = "xpyd-cluster-token"  # /router/instances and /load need a proof of it
 
 
 def _body(n_prompt: int, max_tokens: int, stream: bool = False) -> dict:
@@ -63,13 +65,15 @@ def cluster(request, tmp_path_factory) -> Iterator[Cluster]:
         instance_args=("--threads", "1"),
         local_prefill_below=0,  # the 40-token test prompts must reach the prefill instances
         log_dir=tmp_path_factory.mktemp("xpyd"),
+        cluster_token=TOKEN,
     )
     with Cluster(cfg) as c:
         yield c
 
 
 def _admitted(cluster: Cluster, inst: ManagedProcess) -> bool:
-    rows = httpx.get(f"{cluster.router_url}/router/instances", timeout=10).json()
+    proof = route_headers(TOKEN, "/router/instances")
+    rows = httpx.get(f"{cluster.router_url}/router/instances", headers=proof, timeout=10).json()
     return next(r["admitted"] for r in rows if r["url"] == inst.url)
 
 
@@ -83,8 +87,13 @@ def _received(inst: ManagedProcess) -> float:
     return float(line.rsplit(" ", 1)[1])
 
 
+def _load(inst: ManagedProcess) -> dict:
+    proof = route_headers(TOKEN, "/load")
+    return httpx.get(f"{inst.url}/load", headers=proof, timeout=10).json()
+
+
 def _blocks_used(inst: ManagedProcess) -> int:
-    return httpx.get(f"{inst.url}/load", timeout=10).json()["kv_blocks_used"]
+    return _load(inst)["kv_blocks_used"]
 
 
 @contextlib.contextmanager
@@ -163,7 +172,7 @@ def test_frozen_decode_mid_stream_ends_the_stream_with_an_error_and_comes_back(
         lines = r.iter_lines()
         head = [next(lines) for _ in range(4)]
         assert any(x.startswith("data: {") for x in head)
-        busy = [d for d in decodes if httpx.get(f"{d.url}/load").json()["num_running"]]
+        busy = [d for d in decodes if _load(d)["num_running"]]
         assert len(busy) == 1, "exactly one decode instance runs the stream"
         (victim,) = busy
         with frozen(victim):

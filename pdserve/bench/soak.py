@@ -87,6 +87,7 @@ from pdserve.bench.soak_traffic import (
 from pdserve.keepalive import client_limits
 from pdserve.launcher import Cluster, ClusterConfig, ClusterError
 from pdserve.supervisor import Event, Supervisor, describe
+from pdserve.transfer.cluster_auth import route_headers
 
 PREFILL = "prefill-0"
 # After the restarted P answers /health, the router needs its health round (1 s by default)
@@ -192,9 +193,10 @@ async def _derive_rate(
     return cfg.request_rate or cfg.target_load / latency
 
 
-async def _incarnation(http: httpx.AsyncClient, url: str) -> str | None:
+async def _incarnation(http: httpx.AsyncClient, url: str, token: str) -> str | None:
+    headers = route_headers(token, "/kv/info")  # a route for routers: needs the proof
     try:
-        return str((await http.get(f"{url}/kv/info")).json()["incarnation"])
+        return str((await http.get(f"{url}/kv/info", headers=headers)).json()["incarnation"])
     except (httpx.HTTPError, ValueError, KeyError, TypeError):
         return None
 
@@ -205,12 +207,12 @@ async def _restart_prefill(
     """At `at_s` into the traffic: SIGKILL P by PID, then start it again (same ports)."""
     await asyncio.sleep(max(0.0, at_s - (time.monotonic() - t0)))
     old = cluster.instance(PREFILL)
-    old_incarnation = await _incarnation(http, old.url)
+    old_incarnation = await _incarnation(http, old.url, cluster.cluster_token)
     await asyncio.to_thread(cluster.kill_instance, PREFILL)
     killed = time.monotonic() - t0
     new = await asyncio.to_thread(cluster.restart_instance, PREFILL)
     ready = time.monotonic() - t0
-    new_incarnation = await _incarnation(http, new.url)
+    new_incarnation = await _incarnation(http, new.url, cluster.cluster_token)
     taken_back = await _router_took_back(http, cluster, new.url, new_incarnation)
     return RestartInfo(
         instance=PREFILL,
@@ -233,9 +235,10 @@ async def _router_took_back(
     not do: a health round can take seconds on a loaded machine. Gives up (returns) after
     `_TAKEN_BACK_TIMEOUT_S`; requests failing after that are then counted as 'after'."""
     deadline = time.monotonic() + _TAKEN_BACK_TIMEOUT_S
+    proof = route_headers(cluster.cluster_token, "/router/instances")
     while time.monotonic() < deadline:
         try:
-            rows = (await http.get(f"{cluster.router_url}/router/instances")).json()
+            rows = (await http.get(f"{cluster.router_url}/router/instances", headers=proof)).json()
             row = next(r for r in rows if r["url"] == url)
             knows = (row["info"] or {}).get("incarnation") == incarnation
             if row["admitted"] and (knows or cluster.config.kv_transfer != "push"):
@@ -250,7 +253,8 @@ async def _read_blocks(http: httpx.AsyncClient, cluster: Cluster) -> list[Instan
     found = []
     for p in cluster.instances:
         try:
-            resp = await http.get(f"{p.url}/load", timeout=5.0)
+            proof = route_headers(cluster.cluster_token, "/load")
+            resp = await http.get(f"{p.url}/load", headers=proof, timeout=5.0)
             resp.raise_for_status()
             found.append(blocks_from_load(p.name, p.pid, p.restarts, resp.content))
         except (httpx.HTTPError, msgspec.DecodeError) as exc:

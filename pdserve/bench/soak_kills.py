@@ -26,6 +26,7 @@ import numpy as np
 from pdserve.bench.soak_report import KillInfo
 from pdserve.restarts import RestartPolicy
 from pdserve.supervisor import Supervisor
+from pdserve.transfer.cluster_auth import route_headers
 
 KillRole = Literal["prefill", "decode", "router"]
 KILL_ROLES: tuple[KillRole, ...] = ("prefill", "decode", "router")
@@ -87,7 +88,8 @@ async def _kill_and_follow(
 ) -> KillInfo:
     """SIGKILL `name` through the supervisor and wait until it is back."""
     url = sup.cluster.process(name).url  # the same before and after a restart
-    old_incarnation = None if role == "router" else await _incarnation(http, url)
+    token = sup.cluster.cluster_token
+    old_incarnation = None if role == "router" else await _incarnation(http, url, token)
     old_pid = await asyncio.to_thread(sup.kill, name)
     killed_s = time.monotonic() - t0
     if old_pid is None:  # not running: being restarted after an earlier kill
@@ -107,12 +109,13 @@ async def _kill_and_follow(
         old_pid=old_pid,
         new_pid=new_pid,
         old_incarnation=old_incarnation,
-        new_incarnation=await _incarnation(http, url) if back and role != "router" else None,
+        new_incarnation=await _incarnation(http, url, token) if back and role != "router" else None,
     )
 
 
-async def _incarnation(http: httpx.AsyncClient, url: str) -> str | None:
+async def _incarnation(http: httpx.AsyncClient, url: str, token: str) -> str | None:
+    headers = route_headers(token, "/kv/info")  # a route for routers: needs the proof
     try:
-        return str((await http.get(f"{url}/kv/info")).json()["incarnation"])
+        return str((await http.get(f"{url}/kv/info", headers=headers)).json()["incarnation"])
     except (httpx.HTTPError, ValueError, KeyError, TypeError):
         return None

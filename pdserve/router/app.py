@@ -37,6 +37,7 @@ from pdserve.server.errors import (
     install_error_handlers,
     read_json_object,
 )
+from pdserve.server.proofs import route_guard
 from pdserve.server.request_ids import request_id_of
 
 CLIENT_CLOSED_REQUEST = 499  # nginx's code; nobody reads it, it only reaches the access log
@@ -110,8 +111,9 @@ def _add_routes(app: FastAPI, config: RouterConfig) -> None:
         body, content_type = _state(request).metrics.render()
         return Response(body, media_type=content_type)
 
-    # Instance addresses and side channels are internal: behind the key like /v1/*.
-    @app.get("/router/instances", dependencies=auth)
+    # Instance addresses and side channels are internal: behind the key like /v1/*, and
+    # with a cluster token behind a proof of it (X-PDServe-Cluster-Auth), as on instances.
+    @app.get("/router/instances", dependencies=[*auth, *route_guard(config.cluster_token)])
     async def instances(request: Request) -> Response:
         return JSONResponse([_describe(i) for i in _state(request).pool.instances])
 

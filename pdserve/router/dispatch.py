@@ -47,6 +47,11 @@ started; a stream only after `ejected_stream_grace_s` of silence) and the other 
 cancelled as on any leg failure, so a frozen instance costs its requests one ejection
 delay, not `request_timeout_s`.
 
+Signed legs: with a cluster token, every P and D leg carries `X-PDServe-Leg-Signature`, the
+token's MAC over every field of the leg's `kv_transfer_params` and a timestamp
+(`pdserve.transfer.cluster_auth`); instances with a token refuse legs without it. A pull D
+leg's params come from P: if they cannot even be parsed, P's answer is the 502.
+
 Both legs carry the client's `X-Request-Id` (or a new one) unchanged: P and D are separate
 engines and pair the transfer by `transfer_id`, so the shared id only joins their logs.
 
@@ -102,7 +107,9 @@ from pdserve.router.upstream import (
 )
 from pdserve.server.errors import APIError
 from pdserve.server.sse import data_event_bytes
+from pdserve.transfer.cluster_auth import LEG_SIGNATURE_HEADER, sign_leg
 from pdserve.transfer.hoptrace import hop
+from pdserve.transfer.params import InvalidKVTransferParams
 from pdserve.transfer.release import RELEASE_PATH, SIGNATURE_HEADER, release_signature
 
 log = logging.getLogger(__name__)
@@ -271,7 +278,8 @@ class Dispatcher:
         prefill instance left)."""
         d, leg = self._acquire("decode", replace(demand, local_prefill=True))
         try:
-            start = await self._on_instance("decode", d, leg, self._open_decode(d, call, None))
+            opening = self._open_decode(d, call, None, self._headers(call))
+            start = await self._on_instance("decode", d, leg, opening)
         except BaseException:
             self._pool.release(d, leg)
             raise
@@ -299,19 +307,26 @@ class Dispatcher:
                 "prefill", p, "missing_params", 502, "returned no kv_transfer_params"
             )
         try:
-            return await self._pull_decode(call, demand, result, tid)
+            return await self._pull_decode(call, demand, result, tid, p)
         except BaseException:  # no D stream: nobody will read P's hold
             self._release_later(p, tid)
             raise
 
     async def _pull_decode(
-        self, call: Call, demand: Demand, result: PrefillResult, tid: str
+        self, call: Call, demand: Demand, result: PrefillResult, tid: str, p: Instance
     ) -> Response:
         """The D leg of a pull request, once P answered with `result`."""
         assert result.params is not None
+        params = pull_decode_params(result.params)
+        try:
+            headers = self._leg_headers(call, params)
+        except InvalidKVTransferParams as exc:
+            raise self._leg_error(
+                "prefill", p, "invalid_params", 502, f"returned unusable kv_transfer_params: {exc}"
+            ) from None
         d, d_leg = self._acquire("decode", demand)
         try:
-            opening = self._open_decode(d, call, pull_decode_params(result.params))
+            opening = self._open_decode(d, call, params, headers)
             start = await self._on_instance("decode", d, d_leg, opening)
         except BaseException:
             self._pool.release(d, d_leg)
@@ -335,8 +350,9 @@ class Dispatcher:
             self._on_instance("prefill", p, p_leg, self._prefill(p, call, p_params))
         )
         p_task.add_done_callback(lambda _: self._pool.release(p, p_leg))
+        d_headers = self._leg_headers(call, d_params)
         d_task = asyncio.create_task(
-            self._on_instance("decode", d, d_leg, self._open_decode(d, call, d_params))
+            self._on_instance("decode", d, d_leg, self._open_decode(d, call, d_params, d_headers))
         )
         try:
             start = await self._first_token_or_prefill_error(p_task, d_task)
@@ -435,12 +451,22 @@ class Dispatcher:
             headers["Authorization"] = f"Bearer {self._config.api_key}"
         return headers
 
+    def _leg_headers(self, call: Call, params: Params) -> dict[str, str]:
+        """A leg's headers: with a cluster token, its signature over `params` (made just
+        before sending: instances refuse one older than a minute). InvalidKVTransferParams
+        if `params` are not params at all (only P's answer can be that)."""
+        headers = self._headers(call)
+        if self._config.cluster_token:
+            headers[LEG_SIGNATURE_HEADER] = sign_leg(self._config.cluster_token, params)
+        return headers
+
     async def _prefill(self, p: Instance, call: Call, params: Params) -> PrefillResult:
         """Send the P leg and wait for P's answer; raises APIError on any failure."""
         sent = time.monotonic()
         body = msgspec.json.encode(prefill_body(call.body, params))
+        headers = self._leg_headers(call, params)
         try:
-            r = await self._upstream.post(f"{p.url}{call.path}", body, self._headers(call))
+            r = await self._upstream.post(f"{p.url}{call.path}", body, headers)
         except UpstreamError as exc:
             raise self._transport_error("prefill", p, exc) from None
         if not r.is_success:
@@ -453,16 +479,17 @@ class Dispatcher:
         done = params_back.get("prefill_done_time")
         return PrefillResult(params_back, done if isinstance(done, int | float) else None)
 
-    async def _open_decode(self, d: Instance, call: Call, params: Params | None) -> DecodeStart:
-        """Send the D leg and read up to its first token (all of it when not streaming).
-        Closes D's response itself if it fails or is cancelled on the way."""
+    async def _open_decode(
+        self, d: Instance, call: Call, params: Params | None, headers: dict[str, str]
+    ) -> DecodeStart:
+        """Send the D leg (`headers`: signed for `params`) and read up to its first token
+        (all of it when not streaming). Closes D's response itself if it fails or is
+        cancelled on the way."""
         sent = time.monotonic()
         hop(call.request_id, "r.d_leg_sent")
         body = msgspec.json.encode(decode_body(call.body, params))
         try:
-            response = await self._upstream.open_stream(
-                f"{d.url}{call.path}", body, self._headers(call)
-            )
+            response = await self._upstream.open_stream(f"{d.url}{call.path}", body, headers)
         except UpstreamError as exc:
             raise self._transport_error("decode", d, exc) from None
         try:

@@ -14,7 +14,9 @@ restart. One whose /kv/info cannot be read is admitted at a later round; one tha
 404 (e.g. vLLM) is admitted unchecked. For prefill instances in push mode /kv/info is
 re-read every round, so a restarted P (new incarnation) is noticed within a round instead
 of being sent stale side-channel coordinates (and refused if it no longer fits). Load:
-`GET /load` every `load_interval_s` while the policy uses it.
+`GET /load` every `load_interval_s` while the policy uses it. With a cluster token both
+reads carry a fresh proof of it (`X-PDServe-Cluster-Auth`, pdserve.transfer.cluster_auth),
+which instances with a token require; `/health` needs none.
 
 Counted per instance (read by the metrics at scrape time): ejections, and restarts the
 router noticed: a new incarnation in /kv/info (at a re-admission or a push P's refresh);
@@ -49,6 +51,7 @@ from pdserve.router.load_model import Demand, mean_rate, prefill_finish_s
 from pdserve.router.policy import Policy, Role, make_policy
 from pdserve.router.upstream import Answer, Upstream, UpstreamError, UpstreamProtocolError
 from pdserve.server.load_report import LoadReport
+from pdserve.transfer.cluster_auth import route_headers
 from pdserve.transfer.params import InstanceInfo
 
 log = logging.getLogger(__name__)
@@ -322,9 +325,7 @@ class HealthMonitor:
     async def _read_info(self, inst: Instance) -> _Candidate | None:
         """`inst`'s /kv/info (info None: it has none, a 404), or None if unreadable."""
         try:
-            r = await self._upstream.get(
-                f"{inst.url}/kv/info", timeout_s=self._config.health_timeout_s
-            )
+            r = await self._for_routers(inst, "/kv/info")
             if r.status == 404:
                 if not inst.info_unsupported:
                     log.info("%s instance %s has no /kv/info", inst.role, inst.url)
@@ -361,12 +362,17 @@ class HealthMonitor:
             log.info("%s instance %s now fits the cluster", inst.role, inst.url)
         inst.refused = found
 
+    async def _for_routers(self, inst: Instance, path: str) -> Answer:
+        """GET a route for routers of `inst`, with a proof of the cluster token if any."""
+        headers = route_headers(self._config.cluster_token, path)
+        return await self._upstream.get(
+            f"{inst.url}{path}", timeout_s=self._config.health_timeout_s, headers=headers
+        )
+
     async def _poll_load(self, inst: Instance) -> None:
         requested = time.monotonic()
         try:
-            r = await self._upstream.get(
-                f"{inst.url}/load", timeout_s=self._config.health_timeout_s
-            )
+            r = await self._for_routers(inst, "/load")
             inst.load = msgspec.json.decode(_success(r).content, type=LoadReport)
             inst.load_requested = requested
         except (UpstreamError, msgspec.DecodeError):
@@ -381,7 +387,13 @@ class _Candidate:
 
 
 def _success(answer: Answer) -> Answer:
-    """`answer` if its status is 2xx, else an `UpstreamError` naming the status."""
+    """`answer` if its status is 2xx, else an `UpstreamError` naming the status (and for a
+    refused proof, what to fix)."""
+    if answer.status in (401, 403):
+        raise UpstreamProtocolError(
+            f"HTTP {answer.status}: the instance has a cluster token and the router's proof "
+            "of it is missing or wrong (--cluster-token or $PDSERVE_CLUSTER_TOKEN)"
+        )
     if not answer.is_success:
         raise UpstreamProtocolError(f"HTTP {answer.status}")
     return answer

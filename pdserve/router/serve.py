@@ -17,6 +17,7 @@ from pdserve.router.config import (
     RouterConfig,
     normalize_url,
 )
+from pdserve.server.exposure import router_warning
 from pdserve.server.http_protocol import HeaderDeadlineProtocol, quiet_polls
 from pdserve.server.serve import LISTEN_BACKLOG, UVICORN_LOOP
 from pdserve.transfer.release import TOKEN_ENV, token_from_env
@@ -66,8 +67,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--cluster-token",
         default=None,
-        help="the instances' cluster token, to sign the router's releases of prefill holds"
-        f" (default: ${TOKEN_ENV}; unset: releases unsigned, which instances with a token refuse)",
+        help="the instances' cluster token: the router signs its P/D legs and releases and"
+        " proves it on /kv/info and /load polls; /router/instances then needs a proof of it"
+        f" too (default: ${TOKEN_ENV}; instances with a token refuse a router without it)",
     )
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
@@ -112,6 +114,9 @@ def main(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    urls = (*config.prefill_urls, *config.decode_urls)
+    if warning := router_warning(config.host, urls, config.cluster_token):
+        log.warning("%s", warning)
     try:
         sock = bind_socket(config.host, config.port)
         sock.listen(LISTEN_BACKLOG)

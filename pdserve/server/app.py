@@ -46,8 +46,10 @@ from pdserve.server.serving import (
 )
 from pdserve.server.sse import data_event
 from pdserve.server.transfers import TransferClaim, TransferGate
+from pdserve.transfer.cluster_auth import LEG_SIGNATURE_HEADER
 from pdserve.transfer.hoptrace import hop
 from pdserve.transfer.metrics import ConnectorCollector
+from pdserve.transfer.release import ReleaseAuth, release_signature
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +62,9 @@ _CLIENT_CLOSED = 499
 
 
 def create_app(async_engine: EngineHandle, cfg: ServerConfig) -> FastAPI:
-    """An app serving `async_engine` (already started) under `cfg`'s model name and key."""
+    """An app serving `async_engine` (already started) under `cfg`'s model name and key;
+    `cfg.cluster_token` must be the engine's connector's (ValueError otherwise)."""
+    check_token_matches(async_engine, cfg.cluster_token)
     served_name = cfg.served_model_name or async_engine.info.model_name
     metrics = ServerMetrics(async_engine.stats)
     serving = OpenAIServing(async_engine, served_name, metrics)
@@ -75,15 +79,34 @@ def create_app(async_engine: EngineHandle, cfg: ServerConfig) -> FastAPI:
         RequestCountMiddleware, metrics=metrics, endpoints=frozenset({COMPLETIONS_PATH, CHAT_PATH})
     )
     app.add_middleware(BodySizeLimit, max_bytes=MAX_BODY_BYTES)
-    gate = TransferGate(async_engine)
+    gate = TransferGate(async_engine, cfg.cluster_token)
     app.include_router(_api_routes(serving, gate, cfg.api_key))
     app.include_router(_ops_routes(serving, metrics))
     # /tokenize (for routers' local-prefill choice) sits behind the same key as /v1/*.
     tokenize_auth = [Depends(_bearer_auth(cfg.api_key))] if cfg.api_key else []
-    app.include_router(kv_routes(async_engine, serving, tokenize_auth))
+    app.include_router(kv_routes(async_engine, serving, tokenize_auth, cfg.cluster_token))
     if async_engine.info.limits.role != "both":
         metrics.registry.register(ConnectorCollector(async_engine.connector_metrics))
     return app
+
+
+def check_token_matches(engine: EngineHandle, token: str | None) -> None:
+    """Raise ValueError unless the front end's cluster token is the engine's connector's:
+    a front end without it would admit anyone's P/D legs to an engine whose transport
+    trusts only the cluster. The handle does not expose the token; its release check
+    answers whether it has one and whether ours is it."""
+    probe = "token-probe"
+    engine_has_one = engine.check_release(probe, None) is ReleaseAuth.MISSING
+    if engine_has_one != (token is not None):
+        raise ValueError(
+            "ServerConfig.cluster_token must be the engine's connector's cluster token "
+            f"(the engine has {'one' if engine_has_one else 'none'}, the config "
+            f"{'has one' if token else 'none'})"
+        )
+    if token is not None:
+        verdict = engine.check_release(probe, release_signature(token, probe))
+        if verdict is not ReleaseAuth.OK:
+            raise ValueError("ServerConfig.cluster_token differs from the engine's cluster token")
 
 
 def _api_routes(serving: OpenAIServing, gate: TransferGate, api_key: str | None) -> APIRouter:
@@ -96,13 +119,14 @@ def _api_routes(serving: OpenAIServing, gate: TransferGate, api_key: str | None)
 
     @api.post("/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
+        kv = gate.leg_params(body.kv_transfer_params, request.headers.get(LEG_SIGNATURE_HEADER))
         serving.check_model(body.model)
         prompt = serving.completion_prompt(body)
         max_tokens = serving.max_tokens(body.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS, len(prompt))
         params = serving.sampling_params(body, max_tokens)
         rid = request_id_of(request.headers)
         hop(rid, "d.http_handler")
-        er = build_engine_request(f"cmpl-{rid}", prompt, params, body.kv_transfer_params)
+        er = build_engine_request(f"cmpl-{rid}", prompt, params, kv)
         claim = gate.admit(er)
         fmt = CompletionFormat(
             er.request_id, serving.model_name, len(prompt), body.return_token_ids
@@ -112,13 +136,14 @@ def _api_routes(serving: OpenAIServing, gate: TransferGate, api_key: str | None)
 
     @api.post("/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        kv = gate.leg_params(body.kv_transfer_params, request.headers.get(LEG_SIGNATURE_HEADER))
         serving.check_model(body.model)
         prompt = serving.chat_prompt(body)
         requested = body.max_completion_tokens or body.max_tokens
         max_tokens = serving.max_tokens(requested, None, len(prompt))
         params = serving.sampling_params(body, max_tokens)
         rid = request_id_of(request.headers)
-        er = build_engine_request(f"chatcmpl-{rid}", prompt, params, body.kv_transfer_params)
+        er = build_engine_request(f"chatcmpl-{rid}", prompt, params, kv)
         claim = gate.admit(er)
         fmt = ChatFormat(er.request_id, serving.model_name, len(prompt))
         usage = _usage_wanted(body)

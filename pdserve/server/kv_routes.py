@@ -1,6 +1,11 @@
 """P/D routes of an instance, for routers: `GET /kv/info` (identity), `GET /load` (load
 report, `pdserve.server.load_report`), `POST /kv/release` (the router gives up a transfer,
-`pdserve.transfer.release`) and `POST /tokenize` (a prompt's token count)."""
+`pdserve.transfer.release`) and `POST /tokenize` (a prompt's token count).
+
+With a cluster token, `/kv/info` and `/load` answer only a caller that proves it
+(`X-PDServe-Cluster-Auth`, `pdserve.server.proofs.route_guard`): they name the side
+channel and the engine's identity, what a forged push leg would need. `/kv/release` has its
+own signature; `/tokenize` stays behind the API key like /v1/*."""
 
 from __future__ import annotations
 
@@ -16,6 +21,7 @@ from fastapi.params import Depends
 from pdserve.engine.handle import EngineHandle
 from pdserve.server.errors import APIError, bad_request, read_json_object
 from pdserve.server.load_report import LoadMeter, TokenCount
+from pdserve.server.proofs import route_guard
 from pdserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from pdserve.server.serving import OpenAIServing
 from pdserve.transfer.params import MAX_ID_CHARS, valid_id
@@ -26,19 +32,22 @@ def kv_routes(
     async_engine: EngineHandle,
     serving: OpenAIServing | None = None,
     auth: Sequence[Depends] = (),
+    cluster_token: str | None = None,
 ) -> APIRouter:
     """Routes reading the engine's connector (None on a monolithic instance); `/tokenize`
-    only with `serving`; `/tokenize` and `/kv/release` behind `auth` like /v1/*. The load
+    only with `serving`; `/tokenize` and `/kv/release` behind `auth` like /v1/*;
+    `/kv/info` and `/load` behind a proof of `cluster_token` when there is one. The load
     meter lives in this closure."""
     router = APIRouter()
     meter = LoadMeter()
     info_body = msgspec.json.encode(async_engine.info.instance)
+    for_routers = route_guard(cluster_token)
 
-    @router.get("/kv/info")
+    @router.get("/kv/info", dependencies=for_routers)
     async def kv_info() -> Response:
         return Response(info_body, media_type="application/json")
 
-    @router.get("/load")
+    @router.get("/load", dependencies=for_routers)
     async def load() -> Response:
         requests = async_engine.live_requests()
         report = meter.report(async_engine.stats(), requests, time.monotonic())

@@ -33,6 +33,7 @@ from pdserve.config import (
 from pdserve.keepalive import SERVER_KEEPALIVE_S
 from pdserve.ports import EXIT_ADDRESS_IN_USE, bind_socket, is_address_in_use
 from pdserve.server import vllm_forms
+from pdserve.server.exposure import serve_warning
 from pdserve.server.http_protocol import HeaderDeadlineProtocol, quiet_polls
 from pdserve.transfer.factory import add_transfer_arguments
 
@@ -214,6 +215,9 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
         port=args.port,
         served_model_name=args.served_model_name,
         api_key=args.api_key,
+        # The connector's token (flag or $PDSERVE_CLUSTER_TOKEN): the front end checks legs
+        # and routes for routers with it. A monolithic instance has no connector to guard.
+        cluster_token=args.cluster_token if args.role != "both" else None,
     )
     return engine, server
 
@@ -225,6 +229,8 @@ def main(args: argparse.Namespace) -> int:
     )
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # NIXL logs INFO to stdout otherwise
     engine_cfg, server_cfg = configs_from_args(args)
+    if warning := serve_warning(args.role, args.host, args.kv_host, args.cluster_token):
+        log.warning("%s", warning)
     try:
         # Bound before the model loads, listening only after: until then connections are
         # refused (health probes fail fast) instead of queueing.

@@ -48,7 +48,7 @@ from pdserve.server.protocol import (
     SamplingFields,
 )
 from pdserve.transfer.errors import parse_transfer_error
-from pdserve.transfer.params import InvalidKVTransferParams, parse_kv_transfer_params
+from pdserve.transfer.params import KVTransferParams
 
 if TYPE_CHECKING:
     from pdserve.server.metrics import RequestTimer, ServerMetrics
@@ -325,20 +325,14 @@ def build_engine_request(
     request_id: str,
     prompt_ids: list[int],
     params: SamplingParams,
-    kv_transfer_params: dict[str, Any] | None,
+    kv_transfer: KVTransferParams | None,
 ) -> EngineRequest:
     """The request the engine runs.
 
-    P/D HOOK (kv_transfer_params): the body's `kv_transfer_params` is parsed and checked
-    here (a malformed one is the client's 400) and handed to the engine as typed params;
-    what the engine does with them is the connector's business.
+    P/D HOOK (kv_transfer_params): `kv_transfer` comes parsed, checked and (with a cluster
+    token) authenticated from the admission gate (`TransferGate.leg_params`); what the
+    engine does with them is the connector's business.
     """
-    kv_transfer = None
-    if kv_transfer_params is not None:
-        try:
-            kv_transfer = parse_kv_transfer_params(kv_transfer_params)
-        except InvalidKVTransferParams as exc:
-            raise bad_request(str(exc), param="kv_transfer_params") from exc
     return EngineRequest(
         request_id=request_id,
         prompt_token_ids=prompt_ids,

@@ -1,5 +1,12 @@
 """Admission of P/D legs: `kv_transfer_params` checked against this instance before submission.
 
+First, with a cluster token, who sent the leg: only a caller that proves the token (the
+router's `X-PDServe-Leg-Signature` over every field of the params and a timestamp,
+`pdserve.transfer.cluster_auth`) may make this instance hold blocks for a transfer or dial
+a peer. A missing signature is a 401, a wrong, expired or replayed one a 403, right after
+the params are parsed and before any check against this instance (or tokenizing the
+prompt): a stranger learns nothing about the instance, and nothing is allocated.
+
 Everything a leg can get wrong is a 400 here, before the engine sees it: the wrong role or
 mode, a prompt that does not match what P computed, a first token outside the vocabulary,
 block ids P does not have (once P is known from a handshake), and a `transfer_id` that
@@ -19,15 +26,19 @@ collides, so the only cost of that window is an engine-side refusal instead of a
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from pdserve.engine.handle import EngineHandle
 from pdserve.engine.types import EngineRequest
 from pdserve.server.errors import bad_request
+from pdserve.server.proofs import leg_refusal
+from pdserve.transfer.cluster_auth import Proof, SeenSignatures, check_leg
 from pdserve.transfer.params import (
     InvalidKVTransferParams,
     KVTransferParams,
     check_for_instance,
     check_remote_blocks,
+    parse_kv_transfer_params,
 )
 
 
@@ -51,10 +62,30 @@ class TransferGate:
     """Checks and claims the transfer ids of one app's P/D legs (event loop only)."""
 
     engine: EngineHandle
+    token: str | None = None  # the cluster token: legs must be signed with it
     claims: dict[str, str] = field(default_factory=dict)  # transfer id -> request id
+    seen: SeenSignatures = field(default_factory=SeenSignatures)
+
+    def leg_params(
+        self, raw: dict[str, Any] | None, signature: str | None
+    ) -> KVTransferParams | None:
+        """A request body's `kv_transfer_params`, parsed (a 400 if malformed) and, for a
+        leg, its sender's proof checked (`signature`: the leg signature header; 401/403).
+        The first step of every request, before its prompt is even tokenized: a stranger's
+        leg costs a parse and a MAC."""
+        if raw is None:
+            return None
+        try:
+            params = parse_kv_transfer_params(raw)
+        except InvalidKVTransferParams as exc:
+            raise bad_request(str(exc), param="kv_transfer_params") from exc
+        if params.do_remote_decode or params.do_remote_prefill:
+            self._check_sender(params, signature)
+        return params
 
     def admit(self, er: EngineRequest) -> TransferClaim | None:
-        """Raise a 400 if `er`'s leg cannot run here; else claim its transfer id."""
+        """Raise a 400 if `er`'s leg (params from `leg_params`) cannot run here; else claim
+        its transfer id."""
         p = er.kv_transfer
         if p is None or not (p.do_remote_decode or p.do_remote_prefill):
             return None
@@ -74,6 +105,17 @@ class TransferGate:
             )
         self.claims[tid] = er.request_id
         return TransferClaim(self, tid, er.request_id)
+
+    def _check_sender(self, params: KVTransferParams, signature: str | None) -> None:
+        """With a cluster token: the router's fresh signature over exactly `params`, used
+        once."""
+        proof = check_leg(self.token, params, signature)
+        if proof is Proof.OK and self.token is not None:
+            assert signature is not None
+            if not self.seen.first_use(signature):
+                proof = Proof.REPLAYED
+        if proof is not Proof.OK:
+            raise leg_refusal(proof)
 
     def release(self, claim: TransferClaim) -> None:
         if self.claims.get(claim.transfer_id) == claim.request_id:

@@ -14,8 +14,10 @@ every other loopback-without-token path (docs/transport.md). The transfer id is 
 (`uuid4().hex`) and short-lived, and the signature binds only it: a captured signature
 can only release the same transfer again, which is idempotent.
 
-Pure functions, no I/O, nothing heavier than `hmac`: the router and an instance's front end
-(also with `--engine-process`, which never imports torch) both use this module.
+The MAC is `pdserve.transfer.cluster_auth.mac`, the one helper that legs and routes for
+routers use too (each with its own domain). Pure functions, no I/O, nothing heavier than
+`hmac`: the router and an instance's front end (also with `--engine-process`, which never
+imports torch) both use this module.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ import enum
 import hmac
 import os
 
-TOKEN_ENV = "PDSERVE_CLUSTER_TOKEN"  # the same variable `pdserve serve` reads
+from pdserve.transfer.cluster_auth import TOKEN_ENV, mac
+
 SIGNATURE_HEADER = "X-PDServe-Release-Signature"
 RELEASE_PATH = "/kv/release"
 _DOMAIN = b"pdserve kv release v1\0"  # keeps these MACs apart from params' and frames'
@@ -45,7 +48,7 @@ def token_from_env(flag_value: str | None) -> str | None:
 
 def release_signature(token: str, transfer_id: str) -> str:
     """The router's signature of a release of `transfer_id` (64 hex digits)."""
-    return hmac.new(token.encode(), _DOMAIN + transfer_id.encode(), "sha256").hexdigest()
+    return mac(token, _DOMAIN, transfer_id.encode())
 
 
 def check_release(token: str | None, transfer_id: str, signature: str | None) -> ReleaseAuth:

@@ -23,6 +23,7 @@ from pathlib import Path
 import httpx
 
 from pdserve.ports import free_port
+from pdserve.transfer.cluster_auth import TOKEN_ENV, route_headers
 
 PY = sys.executable
 # Results go to the repo's results/routing/ (git-ignored), not next to this script.
@@ -117,7 +118,8 @@ def routing(a: argparse.Namespace) -> None:
         order = names[rnd % len(names) :] + names[: rnd % len(names)]
         for name in order:
             r = bench(routers[name], name, work, OUT / f"routing-{name}-r{rnd}.json")
-            insts = httpx.get(f"{routers[name]}/router/instances", timeout=10).json()
+            proof = route_headers(os.environ.get(TOKEN_ENV), "/router/instances")
+            insts = httpx.get(f"{routers[name]}/router/instances", headers=proof, timeout=10).json()
             (OUT / f"instances-{name}-r{rnd}.json").write_text(json.dumps(insts))
             print(
                 f"round {rnd} {name}: ttft p50 {r['median_ttft_ms']:.0f} p99 "
