@@ -46,11 +46,13 @@ Bounded work for transfers nobody finishes (strangers' legs, lost legs):
   D: legs queued or waiting for KV from one prefill instance are capped
      (`max_waiting_per_peer`; more are refused at admission, cause `overloaded`), and the
      blocks reserved for remote KV are capped (`max_waiting_kv_fraction`; a leg over it
-     waits in the queue). An address that does not answer `handshake_tries` Hellos
-     (within `handshake_timeout_s`), or a never-handshaked one the heartbeat finds silent,
-     is given up on: its requests fail (`peer_unreachable`), its socket and lane end, and
-     legs naming it fail at once, without dialing, for `unreachable_cooldown_s`. A
-     handshake nobody waits for any more stops. The side channel closes sockets idle for
+     waits in the queue). A peer the heartbeat finds silent, or an address that does not
+     answer `handshake_tries` Hellos (within `handshake_timeout_s`), is given up on: its
+     requests fail, its side-channel socket is closed and its lane ends. After the
+     handshakes, unless the address once answered one (a peer restarting there must work
+     at once; the heartbeat's verdict never starts a cooldown, for the same reason), legs
+     naming it fail at once, without dialing, for `unreachable_cooldown_s`. A handshake
+     nobody waits for any more stops. The side channel closes sockets idle for
      its `idle_s` (pdserve.transfer.side_channel).
   P: new P legs are refused while blocks held for transfers no decode instance has
      claimed (pull) or registered for (push) pass `max_unclaimed_hold_fraction` of the
@@ -115,6 +117,7 @@ log = logging.getLogger(__name__)
 
 # How long one blocking wait on a transfer lasts before it checks again (tcp wakes earlier).
 _TRANSFER_WAKE_S = 0.05
+_MAX_MET = 1024  # addresses remembered as having answered a handshake once
 
 
 class KVReady(msgspec.Struct, frozen=True):
@@ -217,6 +220,9 @@ class KVConnector:
         # D: addresses given up on (unreachable) -> until when legs naming them fail at once,
         # without dialing (under `_peers_lock`: lanes, heartbeat and engine thread use it).
         self._given_up: dict[Address, float] = {}
+        # Addresses that once answered a handshake (most recent last, at most _MAX_MET):
+        # never put in the cooldown, since a peer that restarts there must work at once.
+        self._met: dict[Address, None] = {}
         self._warn = {c: Throttled(log) for c in TransferCause}  # one line per cause per 10 s
         self._closing = threading.Event()
         self.side = SideChannel(
@@ -359,9 +365,7 @@ class KVConnector:
         self.stats.peers_down += 1
         where = shown(f"{down.address[0]}:{down.address[1]}")
         self._warn[down.cause].warning("peer at %s is down: %s", where, down.reason)
-        known = self._forget_peer(down.address)
-        if not known:  # never handshaked: nothing says it will ever answer; stop dialing it
-            self._give_up_on(down.address)
+        self._forget_peer(down.address)
         lost = [(t, r) for t, r in self.receiving.items() if remote_address(r) == down.address]
         for tid, req in lost:
             del self.receiving[tid]
@@ -381,19 +385,21 @@ class KVConnector:
     def _on_peer_gone(self, address: Address) -> None:
         """D, engine thread: mode hook: end the worker (lane) of a peer declared down."""
 
-    def _forget_peer(self, address: Address) -> bool:
-        """Drop the handshaked peers at `address` and their transport links; True if any."""
+    def _forget_peer(self, address: Address) -> None:
+        """Drop the handshaked peers at `address` and their transport links."""
         with self._peers_lock:
             gone = [e for e, p in self._peers.items() if p.address == address]
             peers = [self._peers.pop(e) for e in gone]
         for p in peers:
             self.transport.remove_peer(p.transport_peer)
-        return bool(peers)
 
     def _give_up_on(self, address: Address) -> None:
-        """D: legs naming `address` fail at once, without dialing, for the cooldown."""
+        """D: legs naming `address` fail at once, without dialing, for the cooldown, unless
+        it once answered a handshake (then it may be restarting: the next leg dials it)."""
         now = time.monotonic()
         with self._peers_lock:
+            if address in self._met:
+                return
             for addr in [a for a, until in self._given_up.items() if until <= now]:
                 del self._given_up[addr]  # ended: strangers' addresses must not pile up
             if address not in self._given_up:
@@ -623,6 +629,10 @@ class KVConnector:
         peer = Peer(engine_id, incarnation, address, handle, num_blocks)
         with self._peers_lock:
             self._peers[engine_id] = peer
+            self._met.pop(address, None)
+            self._met[address] = None
+            if len(self._met) > _MAX_MET:
+                del self._met[next(iter(self._met))]
         return peer
 
     def _answer_hello(self, msg: m.Hello) -> None:
