@@ -120,6 +120,26 @@ class ConnectorConfig:
     heartbeat_s: float = 0.5  # D pings the prefill instances it waits on this often
     heartbeat_misses: int = 6  # a peer silent this many periods is declared down
     registration_ttl_s: float = 30.0  # P drops a registration with no prompt alive after this
+    # P (push): a registration for a transfer P has no prompt for (never queued, finished or
+    # released here) waits this long for its P leg (the router sends both legs at once, and
+    # D's registration may come before P's HTTP gate hands the prompt to the engine), then
+    # D is told `unknown_transfer` instead of waiting `registration_ttl_s` for nothing.
+    unknown_transfer_grace_s: float = 5.0
+    # D: decode legs queued or waiting for KV from one prefill instance (side-channel
+    # address) at most; more are refused (cause `overloaded`). Twice the default
+    # max_num_seqs: legs beyond what D can admit may queue, an unbounded flood may not.
+    max_waiting_per_peer: int = 128
+    # D: blocks reserved for requests waiting for remote KV at most this fraction of the
+    # pool (a leg over it stays queued while other requests run); one alone always fits.
+    max_waiting_kv_fraction: float = 0.5
+    # P: blocks held for transfers no decode instance has claimed (pull) or registered for
+    # (push) at most this fraction of the pool; new P legs over it are refused (`overloaded`).
+    max_unclaimed_hold_fraction: float = 0.5
+    # D: handshake attempts with one address (backing off, within handshake_timeout_s in
+    # all) before D gives up on it: its waiting requests fail, its socket is closed, and new
+    # legs naming it fail at once for `unreachable_cooldown_s`.
+    handshake_tries: int = 3
+    unreachable_cooldown_s: float = 10.0
     # Tests force an arrival order with these: D delays its registration; P delays handing
     # a finished prompt to the writer.
     push_register_delay_s: float = 0.0

@@ -464,7 +464,8 @@ def test_push_prompt_that_never_comes_is_a_transfer_error(push: PD) -> None:
     r = push.d.complete(PROMPT, push.push_params(uuid.uuid4().hex))  # no P leg
     assert r.status_code == 502, r.text
     err = r.json()["error"]
-    assert err["type"] == "kv_transfer_error" and err["code"] == "kv_transfer_failed", err
+    # P never heard of the transfer: it says so after its grace (P_KW: at most its 1 s TTL).
+    assert err["type"] == "kv_transfer_error" and err["code"] == "kv_unknown_transfer", err
     assert "never finished" in err["message"], err
     push.assert_healthy()
 

@@ -32,7 +32,14 @@ from pdserve.engine.types import (
 from pdserve.kv.block_pool import BlockPool
 from pdserve.kv.cache import KVCache, num_blocks_for_budget
 from pdserve.model.loader import LoadedModel, load_model
-from pdserve.transfer.connector import Event, KVConnector, KVReady, transfer_id_of
+from pdserve.transfer.connector import (
+    Event,
+    KVConnector,
+    KVReady,
+    remote_address,
+    transfer_id_of,
+)
+from pdserve.transfer.errors import TransferCause, transfer_error
 from pdserve.transfer.hoptrace import hop
 from pdserve.transfer.params import (
     InstanceInfo,
@@ -82,6 +89,8 @@ class LLMEngine:
         if connector_factory is not None:
             self.connector = connector_factory(self.kv, self.pool, loaded)
             self.scheduler.on_remote_admit = self.connector.start_receive
+            frac = self.connector.cfg.max_waiting_kv_fraction
+            self.scheduler.remote_kv_block_cap = int(frac * num_blocks)
         log.info("engine: %s, %d KV blocks of %d tokens", self.model_name, num_blocks, bs)
 
     @classmethod
@@ -134,6 +143,41 @@ class LLMEngine:
                 check_remote_blocks(p, peer.num_blocks)
         except InvalidKVTransferParams as exc:
             return str(exc)
+        busy = self._over_cap(er, blocks_needed(len(er.prompt_token_ids), self.kv.block_size))
+        if busy is None:
+            return None
+        self.connector.stats.legs_refused += 1
+        return transfer_error(TransferCause.OVERLOADED, busy)
+
+    def _over_cap(self, er: EngineRequest, need: int) -> str | None:
+        """Why this P/D leg must be refused for now (its side's caps), or None.
+
+        D: legs queued or waiting for KV from one prefill instance, at most
+        `max_waiting_per_peer`. P: blocks held for transfers no decode instance has claimed
+        or registered for, at most `max_unclaimed_hold_fraction` of the pool (a prompt
+        alone always fits). Both bound what strangers' legs can tie up; the router's
+        release and the lease free P's holds, D's legs end by arrival, failure or watchdog.
+        """
+        c, p = self.connector, er.kv_transfer
+        assert c is not None and p is not None
+        if p.do_remote_prefill:
+            peer = (p.remote_host, p.remote_port)
+            waiting = sum(
+                1 for r in self.requests.values() if r.needs_remote_kv and remote_address(r) == peer
+            )
+            if waiting >= c.cfg.max_waiting_per_peer:
+                return (
+                    f"{waiting} requests already wait for KV from the prefill instance at "
+                    f"{p.remote_host}:{p.remote_port} (the most: --kv-max-waiting-per-peer)"
+                )
+            return None
+        cap = int(c.cfg.max_unclaimed_hold_fraction * self.pool.num_blocks)
+        held = c.unclaimed_blocks()
+        if held and held + need > cap:
+            return (
+                f"{held} KV blocks are held for transfers no decode instance has claimed yet; "
+                f"{need} more would pass the cap of {cap} (--kv-max-unclaimed-fraction)"
+            )
         return None
 
     def instance_limits(self) -> InstanceLimits:
@@ -302,14 +346,17 @@ class LLMEngine:
         """P/D: give the request's blocks to the connector before the request ends."""
         if self.connector is None:
             return None
-        self.connector.prompts_alive.discard(transfer_id_of(req))
+        params = None
         if req.state is RequestState.WAITING_FOR_REMOTE_KV:
             self.connector.cancel_receive(req)
         elif req.is_remote_decode and reason in (FinishReason.STOP, FinishReason.LENGTH):
-            return self.connector.prefill_done(req, req.output_token_ids[-1])
+            params = self.connector.prefill_done(req, req.output_token_ids[-1])
         elif req.is_remote_decode:
             self.connector.prefill_failed(req, f"prefill ended: {reason.value}")
-        return None
+        # After the connector heard of the end: push's writer decides that a registration's
+        # prompt never came only when the prompt is not alive and nothing is queued to it.
+        self.connector.prompts_alive.discard(transfer_id_of(req))
+        return params
 
     def _output(self, req: Request, new: list[int], final: bool) -> RequestOutput:
         return RequestOutput(

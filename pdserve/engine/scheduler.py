@@ -7,6 +7,13 @@ running-sequence cap and free blocks allow. When the pool runs dry the most rece
 admitted running request is preempted: its blocks are freed and it is recomputed
 from scratch later (prompt + tokens generated so far).
 
+D (P/D): a request whose prompt KV comes from a prefill instance is admitted by
+reserving blocks for its whole prompt (WAITING_FOR_REMOTE_KV). Those reservations are
+capped at `remote_kv_block_cap` blocks in all (one request alone always fits): a leg over
+the cap stays queued, and the requests behind it are admitted past it meanwhile, so KV
+that may never come (a slow or hostile prefill side) cannot take the room running
+requests grow into and local prompts prefill in.
+
 Block ownership: the scheduler allocates blocks for a request (owner tag = request id)
 just before the step that writes them, and frees them when the request finishes, is
 aborted or is preempted. Nothing else frees a running request's blocks.
@@ -64,6 +71,9 @@ class Scheduler:
         self.num_preemptions = 0
         # D side: called when a request whose KV comes from a prefill instance is admitted.
         self.on_remote_admit: Callable[[Request], None] = _no_remote
+        # D side: blocks that requests waiting for remote KV may reserve in all (set by the
+        # engine from its connector's config; None: no cap).
+        self.remote_kv_block_cap: int | None = None
 
     def add(self, req: Request) -> None:
         req.state = RequestState.WAITING
@@ -117,9 +127,13 @@ class Scheduler:
         return len(self.running) + len(self.waiting_for_kv)
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        passed: list[Request] = []  # remote legs over the reservation cap, kept in order
         while self.waiting and budget > 0 and self._num_seqs() < self.cfg.max_num_seqs:
             req = self.waiting[0]
             if req.needs_remote_kv:
+                if self._over_remote_cap(req):
+                    passed.append(self.waiting.popleft())
+                    continue
                 if not self._admit_remote(req):
                     break
                 continue
@@ -131,6 +145,15 @@ class Scheduler:
             self.running.append(req)
             out.seqs.append(ScheduledSeq(req, req.num_computed_tokens, n))
             budget -= n
+        self.waiting.extendleft(reversed(passed))
+
+    def _over_remote_cap(self, req: Request) -> bool:
+        """Whether reserving `req`'s prompt would pass `remote_kv_block_cap`."""
+        if self.remote_kv_block_cap is None or not self.waiting_for_kv:
+            return False
+        reserved = sum(len(r.block_ids) for r in self.waiting_for_kv.values())
+        need = blocks_needed(req.num_prompt_tokens, self.block_size)
+        return reserved + need > self.remote_kv_block_cap
 
     def _admit_remote(self, req: Request) -> bool:
         """D: reserve blocks for the whole prompt and hand the request to the connector.

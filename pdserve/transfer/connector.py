@@ -38,6 +38,27 @@ Who owns a block, at every moment:
   D: request id (WAITING_FOR_REMOTE_KV, guarded by `recv_timeout_s`) -> running
      request, or -> "quarantine:<tid>" (until the peer acknowledges that no
      transfer is in flight, the peer is dropped, or `quarantine_s` passes) -> free.
+     When the peer is declared down (`_peer_down`), its links are closed first; push's
+     blocks are then freed at once (a registration not sent yet never will be), pull's
+     are fenced until the lane's job ends (it may still be queued or claiming).
+
+Bounded work for transfers nobody finishes (strangers' legs, lost legs):
+  D: legs queued or waiting for KV from one prefill instance are capped
+     (`max_waiting_per_peer`; more are refused at admission, cause `overloaded`), and the
+     blocks reserved for remote KV are capped (`max_waiting_kv_fraction`; a leg over it
+     waits in the queue). A peer the heartbeat finds silent, or an address that does not
+     answer `handshake_tries` Hellos (within `handshake_timeout_s`), is given up on: its
+     requests fail, its side-channel socket is closed and its lane ends. After the
+     handshakes, unless the address once answered one (a peer restarting there must work
+     at once; the heartbeat's verdict never starts a cooldown, for the same reason), legs
+     naming it fail at once, without dialing, for `unreachable_cooldown_s`. A handshake
+     nobody waits for any more stops. The side channel closes sockets idle for
+     its `idle_s` (pdserve.transfer.side_channel).
+  P: new P legs are refused while blocks held for transfers no decode instance has
+     claimed (pull) or registered for (push) pass `max_unclaimed_hold_fraction` of the
+     pool; push answers a registration for a transfer it never heard of with
+     PushFailed(unknown_transfer) after `unknown_transfer_grace_s` (the transfer is known
+     from the moment the engine admits its P leg: `prompts_alive`).
 
 What goes back to the router: P's response carries `kv_transfer_params` (see
 pdserve.transfer.params); D's stream is the client's answer. The first token is the
@@ -81,9 +102,10 @@ from pdserve.config import ConnectorConfig
 from pdserve.engine.request import Request
 from pdserve.kv.block_pool import BlockPool
 from pdserve.kv.cache import KVCache
+from pdserve.logsafe import Throttled, shown
 from pdserve.transfer import messages as m
 from pdserve.transfer.descriptors import Desc, block_descriptors
-from pdserve.transfer.errors import transfer_error
+from pdserve.transfer.errors import TransferCause, transfer_error
 from pdserve.transfer.params import KVTransferParams
 from pdserve.transfer.side_channel import Address, SideChannel, new_nonce
 from pdserve.transfer.stats import ConnectorMetrics, ConnectorStats, WriterStats
@@ -95,6 +117,7 @@ log = logging.getLogger(__name__)
 
 # How long one blocking wait on a transfer lasts before it checks again (tcp wakes earlier).
 _TRANSFER_WAKE_S = 0.05
+_MAX_MET = 1024  # addresses remembered as having answered a handshake once
 
 
 class KVReady(msgspec.Struct, frozen=True):
@@ -129,7 +152,7 @@ class Failed(msgspec.Struct, frozen=True):
 
     transfer_id: str
     error: str
-    cause: str = "transfer_failed"  # one of TRANSFER_ERROR_CAUSES
+    cause: TransferCause = TransferCause.TRANSFER_FAILED
 
 
 @dataclass
@@ -194,6 +217,13 @@ class KVConnector:
         self.stats = ConnectorStats()
         self._watched: frozenset[Address] = frozenset()  # peers we wait on (engine thread)
         self._pongs: dict[Address, float] = {}
+        # D: addresses given up on (unreachable) -> until when legs naming them fail at once,
+        # without dialing (under `_peers_lock`: lanes, heartbeat and engine thread use it).
+        self._given_up: dict[Address, float] = {}
+        # Addresses that once answered a handshake (most recent last, at most _MAX_MET):
+        # never put in the cooldown, since a peer that restarts there must work at once.
+        self._met: dict[Address, None] = {}
+        self._warn = {c: Throttled(log) for c in TransferCause}  # one line per cause per 10 s
         self._closing = threading.Event()
         self.side = SideChannel(
             self._on_message,
@@ -242,7 +272,7 @@ class KVConnector:
             del self.holds[tid]
         self.pool.free(h.blocks, f"hold:{tid}")
         self.stats.released_by_router += 1
-        log.debug("released hold %s (the router's release)", tid)
+        log.debug("released hold %s (the router's release)", shown(tid))
         return True
 
     def cancel_receive(self, req: Request) -> None:
@@ -312,7 +342,9 @@ class KVConnector:
             if self.release_hold(tid, "lease expired", only_before=now):
                 self.stats.lease_expired += 1
         for tid in [t for t, q in self.quarantine.items() if q.deadline < now]:
-            log.warning("quarantine of %s ended by its deadline", tid)
+            self._warn[TransferCause.TIMEOUT].warning(
+                "quarantine of %s ended by its deadline", shown(tid)
+            )
             self.release_quarantine(tid)
         late = [(t, r) for t, r in self.receiving.items() if r.kv_deadline < now]
         out: list[Event] = []
@@ -331,22 +363,61 @@ class KVConnector:
         Then the blocks fenced for it are released and its waiting requests fail.
         """
         self.stats.peers_down += 1
-        log.warning("peer at %s:%d is down: %s", *down.address, down.reason)
+        where = shown(f"{down.address[0]}:{down.address[1]}")
+        self._warn[down.cause].warning("peer at %s is down: %s", where, down.reason)
         self._forget_peer(down.address)
+        lost = [(t, r) for t, r in self.receiving.items() if remote_address(r) == down.address]
+        for tid, req in lost:
+            del self.receiving[tid]
+            self._abandon(tid, req)
         for tid in [t for t, q in self.quarantine.items() if q.peer == down.address]:
             self.release_quarantine(tid)
-        lost = [(t, r) for t, r in self.receiving.items() if remote_address(r) == down.address]
-        for tid, _ in lost:
-            del self.receiving[tid]
-        msg = f"the prefill instance at {down.address[0]}:{down.address[1]} {down.reason}"
-        return [KVFailed(r.request_id, transfer_error("peer_down", msg)) for _, r in lost]
+        self.side.forget(down.address)  # after `_abandon`: no lane job still wants it
+        self._on_peer_gone(down.address)
+        msg = f"the prefill instance at {where} {down.reason}"
+        return [KVFailed(r.request_id, transfer_error(down.cause, msg)) for _, r in lost]
+
+    def _abandon(self, tid: str, req: Request) -> None:
+        """D, engine thread: `req` fails because its peer is gone, and the scheduler frees
+        its blocks next. Mode hook: make sure no worker starts a transfer into them later
+        (the peer's transport links are already closed, so nothing in flight can land)."""
+
+    def _on_peer_gone(self, address: Address) -> None:
+        """D, engine thread: mode hook: end the worker (lane) of a peer declared down."""
 
     def _forget_peer(self, address: Address) -> None:
+        """Drop the handshaked peers at `address` and their transport links."""
         with self._peers_lock:
             gone = [e for e, p in self._peers.items() if p.address == address]
             peers = [self._peers.pop(e) for e in gone]
         for p in peers:
             self.transport.remove_peer(p.transport_peer)
+
+    def _give_up_on(self, address: Address) -> None:
+        """D: legs naming `address` fail at once, without dialing, for the cooldown, unless
+        it once answered a handshake (then it may be restarting: the next leg dials it)."""
+        now = time.monotonic()
+        with self._peers_lock:
+            if address in self._met:
+                return
+            for addr in [a for a, until in self._given_up.items() if until <= now]:
+                del self._given_up[addr]  # ended: strangers' addresses must not pile up
+            if address not in self._given_up:
+                self.stats.peers_given_up += 1
+            self._given_up[address] = now + self.cfg.unreachable_cooldown_s
+
+    def given_up(self, address: Address) -> bool:
+        """D: whether `address` is in its unreachable cooldown (any thread)."""
+        with self._peers_lock:
+            until = self._given_up.get(address)
+            if until is not None and until <= time.monotonic():
+                del self._given_up[address]
+                until = None
+        return until is not None
+
+    def _is_peer_address(self, address: Address) -> bool:
+        with self._peers_lock:
+            return any(p.address == address for p in self._peers.values())
 
     # -- heartbeat (its own thread) -------------------------------------------------------
     def _heartbeat_loop(self) -> None:
@@ -355,6 +426,9 @@ class KVConnector:
             now = time.monotonic()
             watched = self._watched
             for addr in watched:
+                if self.given_up(addr):  # its requests are failing already: do not dial it
+                    last_seen.pop(addr, None)
+                    continue
                 seen = self._pongs.get(addr, 0.0)
                 last_seen[addr] = max(last_seen.get(addr, now), seen)
                 if now - last_seen[addr] > self.cfg.heartbeat_s * self.cfg.heartbeat_misses:
@@ -364,6 +438,9 @@ class KVConnector:
                 self.side.send(addr, m.Ping(reply_to=self.side.address))
             for addr in set(last_seen) - watched:
                 del last_seen[addr]
+                self._pongs.pop(addr, None)
+                if not self._is_peer_address(addr):  # nobody we know: keep no socket to it
+                    self.side.forget(addr)
 
     def _on_pong(self, pong: m.Pong) -> None:
         addr = tuple(pong.address)
@@ -371,7 +448,8 @@ class KVConnector:
             known = [p for p in self._peers.values() if p.address == addr]
         if any(p.incarnation != pong.incarnation for p in known):
             self.report(PeerDown(addr, "restarted (new incarnation)"))
-        self._pongs[addr] = time.monotonic()
+        if addr in self._watched:  # only peers we ping: a stranger's Pongs must not pile up
+            self._pongs[addr] = time.monotonic()
 
     def hold(self, req: Request, first_token: int, done_time: float, lease: bool) -> _Hold:
         """P: take the finished request's blocks; with `lease`, the engine expires them."""
@@ -393,13 +471,20 @@ class KVConnector:
                 return False
             del self.holds[tid]
         self.pool.free(h.blocks, f"hold:{tid}")
-        log.debug("released hold %s (%s)", tid, reason)
+        log.debug("released hold %s (%s)", shown(tid), reason)
         return True
 
     def release_quarantine(self, tid: str) -> None:
         q = self.quarantine.pop(tid, None)
         if q is not None:
             self.pool.free(q.blocks, f"quarantine:{tid}")
+
+    def unclaimed_blocks(self) -> int:
+        """P: blocks held for transfers no decode instance has claimed (pull: PullClaim;
+        push: a registration paired with the prompt) yet. Engine thread; claimants are set
+        by the receiver (pull) or the writer (push) under `holds_lock`."""
+        with self.holds_lock:
+            return sum(len(h.blocks) for h in self.holds.values() if h.claimant is None)
 
     def num_blocks_held(self) -> int:
         """Blocks the connector owns (holds and quarantine), for integrity checks."""
@@ -434,39 +519,58 @@ class KVConnector:
         self.wake()
 
     # -- peers and handshakes (worker threads) ------------------------------------------------
-    def peer(self, engine_id: str, address: Address, incarnation: str | None = None) -> Peer:
-        """The peer at `address`, handshaking first if it is new or has restarted."""
+    def peer(
+        self,
+        engine_id: str,
+        address: Address,
+        incarnation: str | None = None,
+        wanted: Callable[[], bool] | None = None,
+    ) -> Peer:
+        """The peer at `address`, handshaking first if it is new or has restarted.
+
+        The handshake stops as soon as `wanted()` is False (nobody waits for it any more).
+        An address D gave up on fails at once, without dialing (`unreachable_cooldown_s`).
+        """
         with self._peers_lock:
             known = self._peers.get(engine_id)
         if known and known.address == address and incarnation in (None, known.incarnation):
             return known
-        return self._handshake(engine_id, address)
+        self._check_not_given_up(address)
+        return self._handshake(engine_id, address, wanted)
 
-    def _handshake(self, engine_id: str, address: Address) -> Peer:
-        hello = m.Hello(
-            nonce=new_nonce(),
-            engine_id=self.cfg.engine_id,
-            incarnation=self.cfg.incarnation,
-            reply_to=self.side.address,
-            compat=self.compat,
-            num_blocks=self.kv.num_blocks,
-            transport_metadata=self.transport.local_metadata(),
-        )
-        try:
-            reply = self.side.request(address, hello, self.cfg.handshake_timeout_s)
-        except TimeoutError:
+    def _check_not_given_up(self, address: Address) -> None:
+        if self.given_up(address):
             raise TransferError(
-                f"handshake with {engine_id} at {address[0]}:{address[1]} "
-                f"timed out after {self.cfg.handshake_timeout_s:.0f} s",
-                "peer_unreachable",
-            ) from None
-        assert isinstance(reply, m.HelloReply)
+                f"gave up on {shown(address[0])}:{address[1]} (unreachable); "
+                f"not dialing it again for {self.cfg.unreachable_cooldown_s:g} s",
+                TransferCause.PEER_UNREACHABLE,
+            )
+
+    def _handshake(
+        self, engine_id: str, address: Address, wanted: Callable[[], bool] | None = None
+    ) -> Peer:
+        """Hello, up to `handshake_tries` times, each wait twice the previous one, within
+        `handshake_timeout_s` in all; after the last, D gives up on the address."""
+        reply = self._hello(address, wanted)
+        if reply is None:
+            if wanted is not None and not wanted():
+                raise TransferError("handshake abandoned: no request waits for it any more")
+            tries, timeout = max(1, self.cfg.handshake_tries), self.cfg.handshake_timeout_s
+            what = f"timed out after {timeout:g} s ({tries} tries)"
+            self._unreachable(address, f"did not answer: its handshake {what}")
+            raise TransferError(
+                f"handshake with {shown(engine_id)} at {shown(address[0])}:{address[1]} {what}",
+                TransferCause.PEER_UNREACHABLE,
+            )
         if reply.error:
-            raise TransferError(f"handshake with {engine_id} refused: {reply.error}")
+            raise TransferError(
+                f"handshake with {shown(engine_id)} refused: {shown(reply.error, 400)}"
+            )
         if reply.engine_id != engine_id:
             raise TransferError(
-                f"expected engine {engine_id} at {address}, found {reply.engine_id}",
-                "peer_unreachable",
+                f"expected engine {shown(engine_id)} at {shown(address[0])}:{address[1]}, "
+                f"found {shown(reply.engine_id)}",
+                TransferCause.PEER_UNREACHABLE,
             )
         return self._add_peer(
             reply.engine_id,
@@ -476,6 +580,38 @@ class KVConnector:
             reply.num_blocks,
             reply.transport_metadata,
         )
+
+    def _hello(self, address: Address, wanted: Callable[[], bool] | None) -> m.HelloReply | None:
+        """The peer's HelloReply, or None when every try timed out (or nobody wants it)."""
+        tries = max(1, self.cfg.handshake_tries)
+        wait = self.cfg.handshake_timeout_s / (2**tries - 1)
+        for _ in range(tries):
+            if (wanted is not None and not wanted()) or self.given_up(address):
+                return None
+            hello = m.Hello(
+                nonce=new_nonce(),
+                engine_id=self.cfg.engine_id,
+                incarnation=self.cfg.incarnation,
+                reply_to=self.side.address,
+                compat=self.compat,
+                num_blocks=self.kv.num_blocks,
+                transport_metadata=self.transport.local_metadata(),
+            )
+            try:
+                reply = self.side.request(address, hello, wait, wanted)
+            except TimeoutError:
+                wait *= 2
+                continue
+            assert isinstance(reply, m.HelloReply)
+            return reply
+        return None
+
+    def _unreachable(self, address: Address, reason: str) -> None:
+        """Worker thread: D gives up on `address`: no more dialing it for the cooldown, and
+        the engine thread fails every request waiting on it (`_peer_down`)."""
+        self._give_up_on(address)
+        self.side.forget(address)
+        self.report(PeerDown(address, reason, TransferCause.PEER_UNREACHABLE))
 
     def _add_peer(
         self,
@@ -493,6 +629,10 @@ class KVConnector:
         peer = Peer(engine_id, incarnation, address, handle, num_blocks)
         with self._peers_lock:
             self._peers[engine_id] = peer
+            self._met.pop(address, None)
+            self._met[address] = None
+            if len(self._met) > _MAX_MET:
+                del self._met[next(iter(self._met))]
         return peer
 
     def _answer_hello(self, msg: m.Hello) -> None:
@@ -590,7 +730,7 @@ class KVConnector:
 class TransferError(RuntimeError):
     """A transfer-level failure reported to the client as a clear error, for `cause`."""
 
-    def __init__(self, message: str, cause: str = "transfer_failed") -> None:
+    def __init__(self, message: str, cause: TransferCause = TransferCause.TRANSFER_FAILED) -> None:
         super().__init__(message)
         self.cause = cause
 
@@ -605,10 +745,12 @@ class ReleaseQuarantine(msgspec.Struct, frozen=True):
 
 
 class PeerDown(msgspec.Struct, frozen=True):
-    """Heartbeat report: the peer at `address` is gone (or restarted)."""
+    """Heartbeat or lane report: the peer at `address` is gone (or restarted), or D gave up
+    reaching it (`cause` peer_unreachable)."""
 
     address: Address
     reason: str
+    cause: TransferCause = TransferCause.PEER_DOWN
 
 
 def remote_address(req: Request) -> Address | None:

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import secrets
 from typing import TYPE_CHECKING
@@ -113,9 +114,73 @@ def add_transfer_arguments(parser: argparse.ArgumentParser) -> None:
         "stream waits for them, as classic pull does; only to measure what push and "
         "pdserve's reader threads save (default: a reader thread per prefill instance)",
     )
+    _add_limit_arguments(g)
     g.add_argument("--push-register-delay", type=float, default=0.0, help=argparse.SUPPRESS)
     g.add_argument("--push-finish-delay", type=float, default=0.0, help=argparse.SUPPRESS)
     g.add_argument("--fault-transfer-every", type=int, default=0, help=argparse.SUPPRESS)
+
+
+def _default(name: str) -> object:
+    """The default of ConnectorConfig field `name` (declared there, once)."""
+    return next(f.default for f in dataclasses.fields(ConnectorConfig) if f.name == name)
+
+
+# (flag, ConnectorConfig field, type, help): limits on work for transfers nobody finishes.
+_LIMITS: tuple[tuple[str, str, type, str], ...] = (
+    (
+        "--kv-unknown-transfer-grace",
+        "unknown_transfer_grace_s",
+        float,
+        "prefill, push: seconds a decode registration for a transfer with no prompt here "
+        "waits for its prompt before the decode instance is told the transfer is unknown",
+    ),
+    (
+        "--kv-max-waiting-per-peer",
+        "max_waiting_per_peer",
+        int,
+        "decode: legs queued or waiting for KV from one prefill instance at most; more are "
+        "refused (kv_overloaded)",
+    ),
+    (
+        "--kv-max-waiting-fraction",
+        "max_waiting_kv_fraction",
+        float,
+        "decode: fraction of the KV blocks that requests waiting for remote KV may reserve; "
+        "a leg over it waits in the queue",
+    ),
+    (
+        "--kv-max-unclaimed-fraction",
+        "max_unclaimed_hold_fraction",
+        float,
+        "prefill: fraction of the KV blocks held for transfers no decode instance has "
+        "claimed or registered for; new prefill legs over it are refused (kv_overloaded)",
+    ),
+    (
+        "--kv-handshake-tries",
+        "handshake_tries",
+        int,
+        "decode: handshake attempts (backing off, within the handshake timeout) before "
+        "giving up on an address",
+    ),
+    (
+        "--kv-unreachable-cooldown",
+        "unreachable_cooldown_s",
+        float,
+        "decode: seconds legs naming an address given up on fail at once, without dialing",
+    ),
+)
+
+
+def _add_limit_arguments(g: argparse._ArgumentGroup) -> None:
+    for flag, name, kind, text in _LIMITS:
+        g.add_argument(
+            flag,
+            dest=name,
+            type=kind,
+            default=_default(name),
+            metavar="N" if kind is int else "X",
+            help=f"{text} (default: %(default)s)",
+        )
 
 
 def kv_advertise_host(args: argparse.Namespace) -> str:
@@ -144,6 +209,7 @@ def connector_config(args: argparse.Namespace) -> ConnectorConfig:
         fault_transfer_every=args.fault_transfer_every,
         push_layerwise=args.push_layerwise,
         pull_on_engine_loop=args.pull_read_on_engine_loop,
+        **{name: getattr(args, name) for _, name, _, _ in _LIMITS},
     )
 
 

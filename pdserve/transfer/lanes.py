@@ -7,8 +7,11 @@ without one; a lane runs its jobs one at a time, in the order they were submitte
 hostile params naming many addresses cannot start unbounded threads.
 
 Ownership: a submitted job belongs to the lane until `run(job)` returns; `run` must never
-raise (it reports its own failures). `close()` lets each lane finish the jobs already
-queued, then ends it (waiting a bounded time: a job stuck in a handshake is not waited for).
+raise (it reports its own failures). `drop(address)` retires the lane of an address given
+up on: it runs the jobs already queued (their requests are gone, so `run` returns at once)
+and ends, and a later job for that address starts a new lane. `close()` lets each lane
+finish the jobs already queued, then ends it (waiting a bounded time: a job stuck in a
+handshake is not waited for).
 """
 
 from __future__ import annotations
@@ -74,12 +77,20 @@ class Lanes(Generic[J]):
             except queue.Empty:
                 with self._lock:
                     if lane.jobs.empty():
-                        del self._lanes[address]
+                        if self._lanes.get(address) is lane:  # not dropped and replaced
+                            del self._lanes[address]
                         return
                 continue
             if job is None:
                 return
             self._run(job)
+
+    def drop(self, address: Address) -> None:
+        """Retire the lane of `address` after the jobs already queued (module doc)."""
+        with self._lock:
+            lane = self._lanes.pop(address, None)
+            if lane is not None:
+                lane.jobs.put(None)
 
     def close(self, timeout: float = 2.0) -> None:
         """Stop every lane after its current job; wait up to `timeout` s for them in all."""

@@ -7,7 +7,11 @@ addressed to its previous life is ever applied to it.
 
 from __future__ import annotations
 
+from enum import StrEnum
+
 import msgspec
+
+from pdserve.transfer.errors import TransferCause
 
 
 class Compat(msgspec.Struct, frozen=True, kw_only=True):
@@ -72,12 +76,31 @@ class PushDone(msgspec.Struct, tag=True, kw_only=True):
     prefill_done_time: float
 
 
+class PushFailCause(StrEnum):
+    """Why P will never write a registered transfer (PushFailed.cause; P's metric label)."""
+
+    UNKNOWN_TRANSFER = "unknown_transfer"  # no prompt for it reached P within the grace
+    EXPIRED = "expired"  # P knew the prompt, but it never finished (registration_ttl_s)
+    RELEASED = "released"  # the router released the transfer
+    PREFILL_FAILED = "prefill_failed"  # the prompt was aborted or failed on P
+    UNKNOWN_PEER = "unknown_peer"  # P does not know D's incarnation (handshake again)
+    SIZE_MISMATCH = "size_mismatch"  # D registered another prompt size than P computed
+    WRITE_FAILED = "write_failed"  # posting, writing or notifying failed
+
+    def client_cause(self) -> TransferCause:
+        """The cause D's client sees (pdserve.transfer.errors)."""
+        if self is PushFailCause.UNKNOWN_TRANSFER:
+            return TransferCause.UNKNOWN_TRANSFER
+        return TransferCause.TRANSFER_FAILED
+
+
 class PushFailed(msgspec.Struct, tag=True, kw_only=True):
     """P -> D: the write for `transfer_id` will never come; fail the request now."""
 
     transfer_id: str
     reason: str
     unknown_peer: bool = False  # P does not know D's incarnation: D should handshake again
+    cause: PushFailCause = PushFailCause.WRITE_FAILED
 
 
 class PushAbort(msgspec.Struct, tag=True, kw_only=True):

@@ -35,6 +35,16 @@ _CONNECTOR_COUNTERS: tuple[tuple[str, str, str], ...] = (
         "registrations_expired",
     ),
     ("pdserve_kv_peers_down", "Peers declared down (silent or restarted).", "peers_down"),
+    (
+        "pdserve_kv_legs_refused",
+        "P/D legs refused because a cap on waiting or unclaimed KV was reached.",
+        "legs_refused",
+    ),
+    (
+        "pdserve_kv_peers_given_up",
+        "D: addresses given up on as unreachable (not dialed during the cooldown).",
+        "peers_given_up",
+    ),
     ("pdserve_kv_received", "D: prompts whose KV arrived.", "received"),
     (
         "pdserve_kv_recv_wait_seconds",

@@ -21,7 +21,10 @@ D (lanes, pdserve.transfer.lanes): one thread per prefill instance (side-channel
   the engine thread.
   A request that ends while its READ is in flight has its blocks quarantined; the lane
   releases them once the READ is over, whatever its outcome, so no READ ever lands in
-  blocks that another request owns.
+  blocks that another request owns. The same holds when the request fails because its
+  prefill instance was declared down (`_abandon`): every job reports ReleaseQuarantine
+  when it ends, after its outcome. A job whose request is gone does not handshake (and
+  stops a handshake in progress).
   With `pull_on_engine_loop` (`--pull-read-on-engine-loop`) the engine thread runs the
   job itself inside `start_receive`: classic pull, where claim and READ stall every running
   stream. It exists to measure what the lanes (and push) save; a dead P stalls D's whole
@@ -36,6 +39,7 @@ import time
 import msgspec
 
 from pdserve.engine.request import Request
+from pdserve.logsafe import shown
 from pdserve.transfer import messages as m
 from pdserve.transfer.connector import (
     Arrived,
@@ -45,8 +49,10 @@ from pdserve.transfer.connector import (
     ReleaseHold,
     ReleaseQuarantine,
     TransferError,
+    _Quarantine,
     transfer_id_of,
 )
+from pdserve.transfer.errors import TransferCause
 from pdserve.transfer.hoptrace import hop
 from pdserve.transfer.lanes import Lanes
 from pdserve.transfer.params import (
@@ -166,24 +172,36 @@ class PullConnector(KVConnector):
         try:
             self.check_params(job.params)
         except InvalidKVTransferParams as exc:
-            self._fail_now(job.tid, str(exc), "params_rejected")
+            self._fail_now(job.tid, str(exc), TransferCause.PARAMS_REJECTED)
             return
         ended = lease_ended(job.params)
         if ended:
-            self._fail_now(job.tid, ended, "lease_expired")
+            self._fail_now(job.tid, ended, TransferCause.LEASE_EXPIRED)
             return
         if self.cfg.pull_on_engine_loop:
             self._run(job)
             return
         if not self._lanes.submit(job.address, job):
             what = f"already reading from {len(self._lanes)} prefill instances (the most)"
-            self._fail_now(job.tid, what, "transfer_failed")
+            self._fail_now(job.tid, what, TransferCause.OVERLOADED)
 
-    def _fail_now(self, tid: str, error: str, cause: str) -> None:
+    def _fail_now(self, tid: str, error: str, cause: TransferCause) -> None:
         """A job that never reached a lane: nothing was sent, nothing can land."""
-        log.warning("pull %s refused: %s", tid, error)
+        self._warn[cause].warning("pull %s refused: %s", shown(tid), shown(error, 400))
         self.report(Failed(tid, error, cause))
         self.report(ReleaseQuarantine(tid))
+
+    def _abandon(self, tid: str, req: Request) -> None:
+        """D: the request fails (its peer is gone), but its job may still be queued or
+        claiming: fence the blocks until the job ends (it reports ReleaseQuarantine)."""
+        if req.block_ids:
+            self.pool.transfer(req.block_ids, req.request_id, f"quarantine:{tid}")
+            deadline = time.monotonic() + self.cfg.quarantine_s
+            self.quarantine[tid] = _Quarantine(req.block_ids, deadline, None)
+            req.block_ids = []
+
+    def _on_peer_gone(self, address: Address) -> None:
+        self._lanes.drop(address)
 
     def _run(self, job: _ReadJob) -> None:
         """Claim, read and report one job (its lane's thread); never raises."""
@@ -196,7 +214,13 @@ class PullConnector(KVConnector):
                     f"{p.remote_num_tokens} tokens, decode allocated {len(job.blocks)}"
                 )
             hop(job.tid, "d.lane_start")
-            peer = self.peer(p.remote_engine_id, job.address, p.remote_incarnation)
+
+            def wanted() -> bool:  # a membership read of an engine-thread dict
+                return job.tid in self.receiving
+
+            if not wanted():
+                raise TransferError("the request ended before its read started")
+            peer = self.peer(p.remote_engine_id, job.address, p.remote_incarnation, wanted)
             self._claim(peer, job)
             hop(job.tid, "d.claimed")
             arrived = self._read(peer, job)
@@ -204,8 +228,8 @@ class PullConnector(KVConnector):
             self.report(arrived)
             ok = True
         except Exception as exc:  # every failure becomes a clear per-request error
-            log.warning("pull %s failed: %s", job.tid, exc)
-            cause = exc.cause if isinstance(exc, TransferError) else "transfer_failed"
+            cause = exc.cause if isinstance(exc, TransferError) else TransferCause.TRANSFER_FAILED
+            self._warn[cause].warning("pull %s failed: %s", shown(job.tid), exc)
             where = f"{job.address[0]}:{job.address[1]}"
             self.report(Failed(job.tid, f"pull from {where}: {exc}", cause))
         finally:
@@ -218,9 +242,10 @@ class PullConnector(KVConnector):
                 block_ids=list(job.params.remote_block_ids or ()),
             )
             try:
-                self.side.send(job.address, done)
+                if not self.given_up(job.address):  # else it would dial it again
+                    self.side.send(job.address, done)
             except Exception:  # a bad address must not kill the lane
-                log.exception("pull %s: could not send PullDone to %s", job.tid, job.address)
+                log.exception("pull %s: could not send PullDone", shown(job.tid))
             self.report(ReleaseQuarantine(job.tid))
 
     def _claim(self, peer: Peer, job: _ReadJob) -> None:
@@ -238,14 +263,20 @@ class PullConnector(KVConnector):
             reply = self.side.request(peer.address, claim, timeout)
         except TimeoutError:
             raise TransferError(
-                f"{peer.engine_id} did not answer the claim of transfer {job.tid} "
-                f"within {timeout:.0f} s",
-                "peer_unreachable",
+                f"{shown(peer.engine_id)} did not answer the claim of transfer "
+                f"{shown(job.tid)} within {timeout:.0f} s",
+                TransferCause.PEER_UNREACHABLE,
             ) from None
         assert isinstance(reply, m.PullClaimReply)
         if reply.error:
-            cause = "lease_expired" if reply.lease_expired else "params_rejected"
-            raise TransferError(f"{peer.engine_id} refused the read: {reply.error}", cause)
+            cause = (
+                TransferCause.LEASE_EXPIRED
+                if reply.lease_expired
+                else TransferCause.PARAMS_REJECTED
+            )
+            raise TransferError(
+                f"{shown(peer.engine_id)} refused the read: {shown(reply.error, 400)}", cause
+            )
 
     def _read(self, peer: Peer, job: _ReadJob) -> Arrived:
         p = job.params

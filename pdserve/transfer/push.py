@@ -19,9 +19,14 @@ P (engine thread): `prefill_done` moves the blocks to "hold:<tid>" (no engine-si
   same step, not in the next step's metadata.
 P (writer thread): pairs registrations and finished prompts by transfer id, in either
   order; posts the WRITE with PushDone as its notification; frees the hold when it
-  completes; sends PushFailed to D when the prompt failed, the write failed or the
-  prompt never came (`registration_ttl_s`); frees prompts nobody registered for after
-  `lease_s`. Fencing rule: after PushAbort, a transfer is never posted; one already in
+  completes; sends PushFailed to D when the prompt failed, the write failed, the
+  prompt never finished (`registration_ttl_s`, counted once it is not queued or computing
+  here) or never came at all (`unknown_transfer_grace_s`: no P leg announced that
+  transfer id; D's registration may come before P's own leg, so not at once); frees
+  prompts nobody registered for after `lease_s`. PushFailed carries its cause
+  (messages.PushFailCause). A registration paired with its finished prompt claims the
+  hold (`_claim_hold`): it no longer counts against P's cap on unclaimed holds.
+  Fencing rule: after PushAbort, a transfer is never posted; one already in
   flight is acknowledged only when the transport reports it finished.
   Layer-wise (`push_layerwise`): the step that completes a prompt hands the writer each
   layer as its forward pass ends; the writer posts it at once if D's registration is
@@ -53,6 +58,7 @@ from dataclasses import dataclass
 import msgspec
 
 from pdserve.engine.request import Request
+from pdserve.logsafe import shown
 from pdserve.transfer import messages as m
 from pdserve.transfer.connector import (
     Arrived,
@@ -65,8 +71,10 @@ from pdserve.transfer.connector import (
     transfer_id_of,
 )
 from pdserve.transfer.descriptors import block_descriptors
+from pdserve.transfer.errors import TransferCause
 from pdserve.transfer.hoptrace import hop
 from pdserve.transfer.lanes import Lanes
+from pdserve.transfer.messages import PushFailCause as Why
 from pdserve.transfer.params import KVTransferParams
 from pdserve.transfer.side_channel import Address
 from pdserve.transfer.transport import TransferState
@@ -139,8 +147,23 @@ class _Stream:
     nbytes: int = 0
     ndesc: int = 0
     error: str | None = None
+    why: Why = Why.WRITE_FAILED  # the cause of `error`
     fin: _Finished | None = None
     aborted: bool = False
+
+    def fail(self, error: str, why: Why) -> None:
+        """Record the first failure (D is told once the layer writes in flight are done)."""
+        if self.error is None:
+            self.error, self.why = error, why
+
+
+@dataclass
+class _Waiting:
+    """P writer: a registration waiting for its prompt."""
+
+    reg: m.PushRegistration
+    since: float  # when it came (monotonic)
+    seen: bool = False  # its prompt was seen queued or computing here since then
 
 
 @dataclass
@@ -212,21 +235,29 @@ class PushConnector(KVConnector):
             with self._reg_lock:
                 self._unsent.pop(tid, None)
             what = f"already registering with {len(self._lanes)} prefill instances (the most)"
-            self.report(Failed(tid, f"push registration refused: {what}"))
+            self.report(Failed(tid, f"push registration refused: {what}", TransferCause.OVERLOADED))
 
     def _register(self, job: _Register) -> None:
         """Handshake if needed, then send one registration (its lane's thread); never raises."""
         tid = job.transfer_id
+
+        def wanted() -> bool:
+            return tid in self._unsent
+
         try:
             if self.cfg.push_register_delay_s:
                 time.sleep(self.cfg.push_register_delay_s)
-            peer = self.peer(*job.peer)
+            if not wanted():
+                return  # cancelled while queued: no handshake for a request that is gone
+            peer = self.peer(*job.peer, wanted=wanted)
         except Exception as exc:
             with self._reg_lock:
                 waiting = self._unsent.pop(tid, None) is not None
             if waiting:  # else cancelled meanwhile: its request has already ended
-                log.warning("push registration %s failed: %s", tid, exc)
-                cause = exc.cause if isinstance(exc, TransferError) else "transfer_failed"
+                cause = (
+                    exc.cause if isinstance(exc, TransferError) else TransferCause.TRANSFER_FAILED
+                )
+                self._warn[cause].warning("push registration %s failed: %s", shown(tid), exc)
                 where = f"{job.address[0]}:{job.address[1]}"
                 self.report(Failed(tid, f"push registration with {where} failed: {exc}", cause))
             return
@@ -237,7 +268,7 @@ class PushConnector(KVConnector):
                 self._p_of[tid] = peer.address
                 self.side.send(peer.address, job.msg)
         except Exception:  # the registration may be out: the watchdog and abort fence it
-            log.exception("push registration %s: could not send it", tid)
+            log.exception("push registration %s: could not send it", shown(tid))
 
     def _notif_loop(self) -> None:
         while not self._stop.is_set():
@@ -251,6 +282,15 @@ class PushConnector(KVConnector):
                     hop(msg.transfer_id, "d.notif_thread")
                     self._p_of.pop(msg.transfer_id, None)
                     self.report(Arrived(msg.transfer_id, msg.first_token_id, msg.prefill_done_time))
+
+    def _abandon(self, tid: str, req: Request) -> None:
+        """D: its peer is gone: a registration not sent yet never will be (module doc)."""
+        with self._reg_lock:
+            self._unsent.pop(tid, None)
+            self._p_of.pop(tid, None)
+
+    def _on_peer_gone(self, address: Address) -> None:
+        self._lanes.drop(address)
 
     def _on_cancel(self, tid: str) -> None:
         with self._reg_lock:
@@ -273,7 +313,8 @@ class PushConnector(KVConnector):
             to = self._p_of.pop(msg.transfer_id, None)
             if msg.unknown_peer and to is not None:
                 self._forget_peer(to)  # P restarted and lost us: handshake again next time
-            self.report(Failed(msg.transfer_id, f"prefill instance: {msg.reason}"))
+            reason = f"prefill instance: {shown(msg.reason, 400)}"
+            self.report(Failed(msg.transfer_id, reason, msg.cause.client_cause()))
         elif isinstance(msg, m.PushAbortAck):  # D
             self.report(ReleaseQuarantine(msg.transfer_id))
         elif isinstance(msg, (m.PushRegistration, m.PushAbort)):  # P
@@ -352,7 +393,7 @@ class PushConnector(KVConnector):
         if self._writer_take_released(w, item):
             return
         if isinstance(item, m.PushRegistration):
-            w.regs[item.transfer_id] = (item, now)
+            w.regs[item.transfer_id] = _Waiting(item, now)
             for layer in w.early.pop(item.transfer_id, []):
                 self._post_layer(w, layer)
         elif isinstance(item, _Finished):
@@ -366,9 +407,10 @@ class PushConnector(KVConnector):
             w.early.pop(item.transfer_id, None)
             stream = w.streams.get(item.transfer_id)
             if stream is not None:  # D is told once the layer writes in flight are done
-                stream.error = stream.error or item.reason
+                stream.fail(item.reason, Why.PREFILL_FAILED)
             else:
-                w.failed[item.transfer_id] = (item.reason, now + self.cfg.registration_ttl_s)
+                ttl = now + self.cfg.registration_ttl_s
+                w.failed[item.transfer_id] = (item.reason, ttl)
         elif isinstance(item, m.PushAbort):
             self._writer_abort(w, item)
         elif isinstance(item, _LayerReady):
@@ -384,7 +426,7 @@ class PushConnector(KVConnector):
             return False
         if isinstance(item, m.PushRegistration):  # D registered after the release
             self._registered.discard(tid)
-            self._fail_remote(item, RELEASED_REASON)
+            self._fail_remote(item, RELEASED_REASON, Why.RELEASED)
         elif isinstance(item, _Finished):
             self._release_for_router(tid)
         elif not isinstance(item, _LayerReady):  # layers of a released prompt are dropped
@@ -400,7 +442,7 @@ class PushConnector(KVConnector):
         entry = w.regs.pop(tid, None)
         if entry is not None:  # D waits for a write that will never come: tell it now
             self._registered.discard(tid)
-            self._fail_remote(entry[0], RELEASED_REASON)
+            self._fail_remote(entry.reg, RELEASED_REASON, Why.RELEASED)
         if (w.finished.pop(tid, None) or w.delayed.pop(tid, None)) is not None:
             self._release_for_router(tid)
 
@@ -413,13 +455,15 @@ class PushConnector(KVConnector):
         for tid in [t for t, f in w.delayed.items() if f.ready_at <= now]:
             w.finished[tid] = w.delayed.pop(tid)
         for tid in [t for t in w.finished if t in w.streams]:
-            w.streams[tid].fin = w.finished.pop(tid)
+            st = w.streams[tid]
+            st.fin = w.finished.pop(tid)
+            self._claim_hold(tid, st.reg)
         for tid in list(w.regs):
-            reg, t_reg = w.regs[tid]
+            reg, t_reg = w.regs[tid].reg, w.regs[tid].since
             if tid in w.failed:
                 del w.regs[tid]
                 self._registered.discard(tid)
-                self._fail_remote(reg, w.failed.pop(tid)[0])
+                self._fail_remote(reg, w.failed.pop(tid)[0], Why.PREFILL_FAILED)
             elif tid in w.finished:
                 del w.regs[tid]
                 self._registered.discard(tid)
@@ -429,19 +473,21 @@ class PushConnector(KVConnector):
                 else:
                     self.writer_stats.finished_first += 1
                 self.writer_stats.match_wait_s += now - t_reg
+                self._claim_hold(tid, reg)
                 self._post(w, reg, fin)
 
     def _post(self, w: _WriterState, reg: m.PushRegistration, fin: _Finished) -> None:
         peer = self.known_peer(reg.engine_id, reg.incarnation)
         if peer is None:
-            msg = f"unknown decode instance {reg.engine_id}/{reg.incarnation}"
-            self._fail_remote(reg, msg, unknown_peer=True)
+            msg = f"unknown decode instance {shown(reg.engine_id)}/{shown(reg.incarnation)}"
+            self._fail_remote(reg, msg, Why.UNKNOWN_PEER, unknown_peer=True)
         elif len(reg.block_ids) != len(fin.blocks) or reg.num_tokens != fin.num_tokens:
             self._fail_remote(
                 reg,
                 f"decode registered {len(reg.block_ids)} blocks for "
                 f"{reg.num_tokens} tokens, prefill has {len(fin.blocks)} "
                 f"blocks for {fin.num_tokens} tokens",
+                Why.SIZE_MISMATCH,
             )
         else:
             local, remote = self.descriptors(peer, fin.blocks, reg.block_ids)
@@ -453,7 +499,7 @@ class PushConnector(KVConnector):
             try:
                 handle = self.post_transfer("write", peer, local, remote, m.encode(done))
             except Exception as exc:
-                self._fail_remote(reg, f"could not post the KV write: {exc}")
+                self._fail_remote(reg, f"could not post the KV write: {exc}", Why.WRITE_FAILED)
             else:
                 nbytes = sum(n for _, n in local)
                 w.inflight[reg.transfer_id] = _InFlight(
@@ -474,10 +520,10 @@ class PushConnector(KVConnector):
         reg = stream.reg
         peer = self.known_peer(reg.engine_id, reg.incarnation)
         if stream.error or stream.aborted or peer is None:
-            stream.error = stream.error or "unknown decode instance"
+            stream.fail("unknown decode instance", Why.UNKNOWN_PEER)
             return
         if len(reg.block_ids) != len(item.blocks) or reg.num_tokens != item.num_tokens:
-            stream.error = "decode registered a different prompt size"
+            stream.fail("decode registered a different prompt size", Why.SIZE_MISMATCH)
             return
         local, remote = block_descriptors(
             self.kv, peer.num_blocks, item.blocks, reg.block_ids, layers=[item.layer]
@@ -485,7 +531,9 @@ class PushConnector(KVConnector):
         try:
             handle = self.post_transfer("write", peer, local, remote, None)
         except Exception as exc:
-            stream.error = f"could not post the KV write of layer {item.layer}: {exc}"
+            stream.fail(
+                f"could not post the KV write of layer {item.layer}: {exc}", Why.WRITE_FAILED
+            )
             return
         stream.handles.append(handle)
         self._posted.put(handle)
@@ -500,8 +548,8 @@ class PushConnector(KVConnector):
             return None
         self._registered.discard(tid)
         self.writer_stats.registered_first += 1
-        self.writer_stats.match_wait_s += time.monotonic() - entry[1]
-        stream = w.streams[tid] = _Stream(entry[0], [], time.monotonic())
+        self.writer_stats.match_wait_s += time.monotonic() - entry.since
+        stream = w.streams[tid] = _Stream(entry.reg, [], time.monotonic())
         return stream
 
     def _watch_loop(self) -> None:
@@ -542,7 +590,7 @@ class PushConnector(KVConnector):
                 if not done:
                     pending.append(h)
                 elif error:
-                    st.error = st.error or f"KV write failed: {error}"
+                    st.fail(f"KV write failed: {error}", Why.WRITE_FAILED)
             st.handles = pending
             if pending or (st.fin is None and not st.aborted and not st.error):
                 continue
@@ -557,7 +605,7 @@ class PushConnector(KVConnector):
             if st.aborted:
                 self.side.send(tuple(st.reg.reply_to), m.PushAbortAck(transfer_id=tid))
             elif st.error:
-                self._fail_remote(st.reg, st.error)
+                self._fail_remote(st.reg, st.error, st.why)
             else:
                 self._notify_done(st)
         finally:
@@ -581,7 +629,9 @@ class PushConnector(KVConnector):
                 raise RuntimeError(f"unknown decode instance {st.reg.engine_id}")
             self.transport.send_notif(peer.transport_peer, m.encode(done))
         except Exception as exc:
-            self._fail_remote(st.reg, f"could not notify the decode instance: {exc}")
+            self._fail_remote(
+                st.reg, f"could not notify the decode instance: {exc}", Why.WRITE_FAILED
+            )
             return
         hop(tid, "p.notif_posted")
         self.writer_stats.layerwise += 1
@@ -597,7 +647,7 @@ class PushConnector(KVConnector):
             del w.inflight[tid]
             self.report(ReleaseHold(tid, "write finished"))
             if error:
-                self._fail_remote(f.reg, f"KV write failed: {error}")
+                self._fail_remote(f.reg, f"KV write failed: {error}", Why.WRITE_FAILED)
             else:
                 self.count_transfer(f.nbytes, f.ndesc, time.monotonic() - f.started)
             if f.aborted:
@@ -628,16 +678,7 @@ class PushConnector(KVConnector):
         for tid in [t for t, f in w.finished.items() if t in w.aborted]:
             w.finished.pop(tid)
             self.report(ReleaseHold(tid, "decode aborted"))
-        ttl = self.cfg.registration_ttl_s
-        # A registration whose prompt is still queued or computing here is not orphaned:
-        # under load P's queue can be longer than any fixed TTL.
-        for tid in [
-            t for t, (_, t0) in w.regs.items() if now - t0 > ttl and t not in self.prompts_alive
-        ]:
-            reg, _ = w.regs.pop(tid)
-            self._registered.discard(tid)
-            self.stats.registrations_expired += 1
-            self._fail_remote(reg, "the prompt never finished on the prefill instance")
+        self._writer_expire_regs(w, now)
         for tid in [t for t, f in w.finished.items() if now - f.ready_at > self.cfg.lease_s]:
             w.finished.pop(tid)
             self.stats.lease_expired += 1
@@ -649,13 +690,58 @@ class PushConnector(KVConnector):
             for tid in [t for t, v in d.items() if (v[1] if isinstance(v, tuple) else v) < now]:
                 del d[tid]
 
-    def _fail_remote(self, reg: m.PushRegistration, reason: str, unknown_peer=False) -> None:
+    def _writer_expire_regs(self, w: _WriterState, now: float) -> None:
+        """Registrations nobody will write for: their prompt never came (unknown transfer,
+        after `unknown_transfer_grace_s`) or came and never finished (`registration_ttl_s`).
+
+        A registration whose prompt is still queued or computing here is not orphaned: under
+        load P's queue can be longer than any fixed TTL. "Never came" is decided only with
+        the inbox empty, checked after the prompt: the engine thread queues a finished or
+        failed prompt before it drops it from `prompts_alive`, so an empty inbox then means
+        the writer has already taken what the prompt's end sent.
+        """
+        grace, ttl = self.cfg.unknown_transfer_grace_s, self.cfg.registration_ttl_s
+        unknown, expired = [], []
+        for tid, waiting in w.regs.items():
+            if tid in self.prompts_alive:
+                waiting.seen = True
+            elif not waiting.seen and now - waiting.since > min(grace, ttl):
+                unknown.append(tid)
+            elif now - waiting.since > ttl:
+                expired.append(tid)
+        if unknown and not self._inbox.empty():
+            unknown = []  # decided at a later sweep, once the inbox is drained
+        for tid in unknown + expired:
+            reg = w.regs.pop(tid).reg
+            self._registered.discard(tid)
+            self.stats.registrations_expired += 1
+            if tid in unknown:
+                what = f"none came within {min(grace, ttl):g} s of the registration"
+                reason = (
+                    f"unknown transfer: the prompt never finished on the prefill instance ({what})"
+                )
+                self._fail_remote(reg, reason, Why.UNKNOWN_TRANSFER)
+            else:
+                reason = "the prompt never finished on the prefill instance"
+                self._fail_remote(reg, reason, Why.EXPIRED)
+
+    def _claim_hold(self, tid: str, reg: m.PushRegistration) -> None:
+        """Writer: a registration is paired with the finished prompt of `tid`: its hold is
+        claimed (no longer counted against `max_unclaimed_hold_fraction`)."""
+        with self.holds_lock:
+            h = self.holds.get(tid)
+            if h is not None and h.claimant is None:
+                h.claimant = (reg.engine_id, reg.incarnation)
+
+    def _fail_remote(
+        self, reg: m.PushRegistration, reason: str, why: Why, unknown_peer: bool = False
+    ) -> None:
         self.stats.failures += 1
-        cause = reason.split(":")[0][:60]
-        self.writer_stats.failures_by_cause[cause] = (
-            self.writer_stats.failures_by_cause.get(cause, 0) + 1
+        counts = self.writer_stats.failures_by_cause
+        counts[why.value] = counts.get(why.value, 0) + 1
+        notice = m.PushFailed(
+            transfer_id=reg.transfer_id, reason=reason, unknown_peer=unknown_peer, cause=why
         )
-        notice = m.PushFailed(transfer_id=reg.transfer_id, reason=reason, unknown_peer=unknown_peer)
         self.side.send(tuple(reg.reply_to), notice)
 
     def _writer_stats(self) -> WriterStats:
@@ -675,7 +761,7 @@ class _WriterState:
     """Writer-thread-only maps, keyed by transfer id."""
 
     def __init__(self) -> None:
-        self.regs: dict[str, tuple[m.PushRegistration, float]] = {}
+        self.regs: dict[str, _Waiting] = {}
         self.finished: dict[str, _Finished] = {}
         self.delayed: dict[str, _Finished] = {}
         self.failed: dict[str, tuple[str, float]] = {}

@@ -8,6 +8,14 @@ and calls `handler(msg)` for every valid message (the handler must not block: it
 hands work to a queue); senders may call `send` from any thread (each PUSH socket is
 used under its own lock).
 
+Dialing: a PUSH socket reconnects to its address by itself, forever, backing off up to
+`RECONNECT_MAX_MS`; addresses come from peers' messages (reply_to) and from params, so a
+stranger can name closed ports. A socket is therefore closed when its owner gives up on
+the address (`forget`), when nothing was sent on it for `idle_s` (the receiver thread
+sweeps), and the least recently used one when more than `max_sockets` are open; a later
+`send` opens a fresh one. Closing drops what it still queues: after `idle_s` without a
+send, that is only what a peer that never connected was owed.
+
 Authentication: with a cluster token, every frame carries HMAC-SHA256(token, frame)
 over a send time, a random nonce and the body; frames with a bad MAC, older than
 `max_age_s`, or whose nonce was already seen (a captured frame sent again) are dropped
@@ -27,6 +35,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError
+from dataclasses import dataclass, field
 
 import msgspec
 import zmq
@@ -39,6 +48,13 @@ Address = tuple[str, int]
 # The largest frame the inbox takes (ZMQ drops a peer that sends more, before allocating it):
 # control messages are small; the largest, a Hello with a backend's metadata, is kilobytes.
 MAX_MESSAGE_BYTES = 4 << 20
+RECONNECT_MAX_MS = 2000  # a PUSH socket's reconnect back-off (from ZMQ's 100 ms) ends here
+# A PUSH socket nothing was sent on for this long is closed: the backstop for addresses
+# nobody `forget`s (e.g. a stranger's reply_to); a live peer only pays one reconnect.
+IDLE_S = 30.0
+MAX_SOCKETS = 512  # PUSH sockets open at once at most (the least recently used is closed)
+_SWEEP_S = 1.0  # how often the receiver thread looks for idle sockets
+_WANTED_CHECK_S = 0.1  # how often a waiting `request` asks whether it is still wanted
 
 
 class _Envelope(msgspec.Struct, array_like=True):
@@ -94,6 +110,8 @@ class SideChannel:
         token: str | None = None,
         max_age_s: float = 120.0,
         advertise_host: str | None = None,
+        idle_s: float = IDLE_S,
+        max_sockets: int = MAX_SOCKETS,
     ) -> None:
         self._ctx = zmq.Context()
         self._pull = self._ctx.socket(zmq.PULL)
@@ -112,12 +130,18 @@ class SideChannel:
         self._handler = handler
         self._key = token.encode() if token else None
         self._replays = ReplayGuard(max_age_s)
-        self._peers: dict[Address, tuple[zmq.Socket, threading.Lock]] = {}
+        # Address -> PUSH socket, its lock, and when it last sent (monotonic); insertion
+        # order is recency order (a send moves its entry to the end), so the first is the LRU.
+        self._peers: dict[Address, _Out] = {}
         self._peers_lock = threading.Lock()
+        self._idle_s = idle_s
+        self._max_sockets = max_sockets
+        self.num_closed = 0  # PUSH sockets closed (forgotten, idle or evicted), for tests
         self._waiters: dict[str, Future[m.Reply]] = {}
         self._stop = threading.Event()
         self.num_rejected = 0
         self._drops = Throttled(log)  # 20,000 bad frames must not write 20,000 lines
+        self._send_drops = Throttled(log)
         self._thread = threading.Thread(target=self._recv_loop, name="pdserve-side", daemon=True)
         self._thread.start()
 
@@ -136,44 +160,111 @@ class SideChannel:
         """
         if self._stop.is_set():
             return
-        sock, lock = self._peer(to)
         env = _Envelope(time.time(), secrets.token_bytes(16), m.encode(msg))
         frame = msgspec.msgpack.encode(env)
         mac = hmac.digest(self._key, frame, "sha256") if self._key else b""
-        with lock:
+        out = self._peer(to)  # raises ZMQError for an address ZMQ cannot connect to
+        with out.lock:
+            if out.closed:  # forgotten meanwhile: its owner gave up on this address
+                return
             try:
-                sock.send_multipart([mac, frame], flags=zmq.NOBLOCK)
+                out.sock.send_multipart([mac, frame], flags=zmq.NOBLOCK)
             except zmq.ZMQError as exc:  # full queue to a dead peer, or closing
-                log.warning("side channel: dropped a %s to %s: %s", type(msg).__name__, to, exc)
+                self._send_drops.warning(
+                    "side channel: dropped a %s to %s: %s", type(msg).__name__, shown(to), exc
+                )
 
-    def request(self, to: Address, msg: m.Request, timeout: float) -> m.Reply:
+    def request(
+        self,
+        to: Address,
+        msg: m.Request,
+        timeout: float,
+        wanted: Callable[[], bool] | None = None,
+    ) -> m.Reply:
         """Send a message with a nonce and wait for the reply carrying the same nonce;
-        TimeoutError after `timeout` seconds."""
+        TimeoutError after `timeout` seconds, or as soon as `wanted()` turns False (checked
+        every `_WANTED_CHECK_S`: nobody needs the answer any more)."""
         fut: Future[m.Reply] = Future()
         self._waiters[msg.nonce] = fut
+        deadline = time.monotonic() + timeout
         try:
             self.send(to, msg)
-            return fut.result(timeout)
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0 or (wanted is not None and not wanted()):
+                    raise TimeoutError
+                try:
+                    return fut.result(min(left, _WANTED_CHECK_S) if wanted else left)
+                except TimeoutError:  # concurrent.futures' is the builtin since 3.11
+                    continue
         finally:
             self._waiters.pop(msg.nonce, None)
 
-    def _peer(self, to: Address) -> tuple[zmq.Socket, threading.Lock]:
+    def _peer(self, to: Address) -> _Out:
+        """The PUSH socket to `to`, opened if needed (ZMQError for an address ZMQ refuses)."""
+        evicted = None
         with self._peers_lock:
-            entry = self._peers.get(to)
-            if entry is None:
-                sock = self._ctx.socket(zmq.PUSH)
-                sock.setsockopt(zmq.LINGER, 0)
-                sock.setsockopt(zmq.SNDHWM, 10000)
-                sock.connect(f"tcp://{to[0]}:{to[1]}")
-                entry = self._peers[to] = (sock, threading.Lock())
-            return entry
+            out = self._peers.pop(to, None)
+            if out is None:
+                if len(self._peers) >= self._max_sockets:
+                    evicted = self._peers.pop(next(iter(self._peers)))
+                out = _Out(self._connect(to))
+            out.last_used = time.monotonic()
+            self._peers[to] = out  # to the end: most recently used
+        if evicted is not None:
+            self._close(evicted)
+        return out
+
+    def _connect(self, to: Address) -> zmq.Socket:
+        sock = self._ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, 10000)
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_MAX_MS)
+        try:
+            sock.connect(f"tcp://{to[0]}:{to[1]}")
+        except zmq.ZMQError:
+            sock.close(0)
+            raise
+        return sock
+
+    def forget(self, to: Address) -> None:
+        """Close the socket to `to` (the caller gave up on it): no more connects to it until
+        something is sent there again. What it still queued is dropped. Any thread."""
+        with self._peers_lock:
+            out = self._peers.pop(to, None)
+        if out is not None:
+            self._close(out)
+
+    def num_sockets(self) -> int:
+        """PUSH sockets open now (any thread)."""
+        return len(self._peers)
+
+    def _close(self, out: _Out) -> None:
+        with out.lock:  # never while a sender uses it
+            out.closed = True
+            out.sock.close(0)
+        self.num_closed += 1
+
+    def _sweep_idle(self, now: float) -> None:
+        """Receiver thread: close the sockets nothing was sent on for `idle_s`."""
+        with self._peers_lock:
+            idle = [a for a, o in self._peers.items() if now - o.last_used > self._idle_s]
+            gone = [self._peers.pop(a) for a in idle]
+        for out in gone:
+            self._close(out)
 
     # -- receiving -------------------------------------------------------------------------
     def _recv_loop(self) -> None:
         poller = zmq.Poller()
         poller.register(self._pull, zmq.POLLIN)
+        next_sweep = time.monotonic() + _SWEEP_S
         while not self._stop.is_set():
-            if not poller.poll(100):
+            ready = poller.poll(100)
+            now = time.monotonic()
+            if now >= next_sweep:
+                next_sweep = now + _SWEEP_S
+                self._sweep_idle(now)
+            if not ready:
                 continue
             try:
                 parts = self._pull.recv_multipart(flags=zmq.NOBLOCK)
@@ -216,11 +307,22 @@ class SideChannel:
         self._stop.set()
         self._thread.join(2.0)
         with self._peers_lock:
-            for sock, _ in self._peers.values():
-                sock.close(0)
+            outs = list(self._peers.values())
             self._peers.clear()
+        for out in outs:
+            self._close(out)
         self._pull.close(0)
         self._ctx.term()
+
+
+@dataclass(eq=False)
+class _Out:
+    """One PUSH socket to a peer address; used, and closed, only under `lock`."""
+
+    sock: zmq.Socket
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    last_used: float = 0.0
+    closed: bool = False
 
 
 def new_nonce() -> str:

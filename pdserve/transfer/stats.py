@@ -24,6 +24,8 @@ class ConnectorStats(msgspec.Struct):
     received: int = 0  # D: prompts whose KV arrived
     recv_wait_seconds: float = 0.0  # D: admission (push: registration) to arrival, summed
     released_by_router: int = 0  # P: holds freed by the router's release (POST /kv/release)
+    legs_refused: int = 0  # P/D legs refused over a cap (cause `overloaded`)
+    peers_given_up: int = 0  # D: addresses given up on as unreachable (cooldown started)
 
 
 class WriterStats(msgspec.Struct):
