@@ -47,7 +47,7 @@ from pdserve.server.protocol import (
     ModelList,
     SamplingFields,
 )
-from pdserve.transfer.errors import parse_transfer_error
+from pdserve.transfer.errors import TransferCause, parse_transfer_error
 from pdserve.transfer.params import KVTransferParams
 
 if TYPE_CHECKING:
@@ -377,13 +377,17 @@ def kv_transfer_error(cause: str, detail: str) -> APIError:
     """The client's error for a P/D request whose KV never arrived (see
     pdserve.transfer.errors.TRANSFER_ERROR_CAUSES): a 502 of type `kv_transfer_error`
     (an upstream, the prefill instance or the link to it, failed; retrying may work), or a
-    400 when the params were not signed by a prefill instance of this cluster."""
+    400 when the params were not signed by a prefill instance of this cluster, or a 503 when
+    the instance refused the leg for its load (`overloaded`: retrying later may work)."""
     message = f"KV transfer failed ({cause.replace('_', ' ')}): {detail}"
-    if cause == "params_rejected":
+    if cause == TransferCause.PARAMS_REJECTED:
         return bad_request(message, param="kv_transfer_params", code="kv_params_rejected")
-    return APIError(
-        HTTPStatus.BAD_GATEWAY, message, type=KV_TRANSFER_ERROR_TYPE, code=f"kv_{cause}"
+    status = (
+        HTTPStatus.SERVICE_UNAVAILABLE
+        if cause == TransferCause.OVERLOADED
+        else HTTPStatus.BAD_GATEWAY
     )
+    return APIError(status, message, type=KV_TRANSFER_ERROR_TYPE, code=f"kv_{cause}")
 
 
 def _temperature(requested: float | None) -> float:
