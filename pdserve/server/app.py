@@ -158,6 +158,7 @@ def _ops_routes(serving: OpenAIServing, metrics: ServerMetrics) -> APIRouter:
     @ops.get("/health")
     async def health() -> Response:
         serving.check_alive()  # 503 with the engine's error when its thread is dead
+        serving.check_parts()  # 503 naming a dead connector thread or listener
         return JSONResponse({"status": "ok"})
 
     @ops.get("/metrics")

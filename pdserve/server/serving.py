@@ -132,6 +132,17 @@ class OpenAIServing:
                 code="engine_dead",
             )
 
+    def check_parts(self) -> None:
+        """A 503 naming what stopped when a thread or listener the KV connector needs is gone
+        (an instance that cannot take part in P/D must not pass its health checks)."""
+        metrics = self.engine.connector_metrics()
+        if metrics is not None and metrics.stopped:
+            raise APIError(
+                HTTPStatus.SERVICE_UNAVAILABLE,
+                f"The instance cannot serve P/D: stopped: {', '.join(metrics.stopped)}.",
+                code="connector_stopped",
+            )
+
     def completion_prompt(self, req: CompletionRequest) -> list[int]:
         _check_completion_options(req)
         prompt = req.prompt

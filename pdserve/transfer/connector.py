@@ -500,7 +500,20 @@ class KVConnector:
             stats=msgspec.structs.replace(self.stats),
             blocks_held=self.num_blocks_held(),
             writer=self._writer_stats(),
+            stopped=self.stopped(),
         )
+
+    def stopped(self) -> list[str]:
+        """What the connector needs running and no longer runs (a dead thread or listener),
+        by name; the instance's /health answers 503 while this is not empty. Any thread."""
+        if self._closing.is_set():
+            return []  # closing: its threads end on purpose
+        parts = self.side.stopped() + self.transport.stopped()
+        return parts + self._dead_threads([self._heartbeat])
+
+    @staticmethod
+    def _dead_threads(threads: list[threading.Thread]) -> list[str]:
+        return [f"thread {t.name}" for t in threads if not t.is_alive()]
 
     def _writer_stats(self) -> WriterStats | None:
         return None

@@ -103,6 +103,9 @@ class KVTransport:
     def wait_notifs(self, timeout_s: float) -> list[bytes]:
         return [n.payload for n in self.transport.wait_notifs(timeout_s)]
 
+    def stopped(self) -> list[str]:
+        return self.transport.stopped()
+
     def close(self) -> None:
         self.transport.close()
 

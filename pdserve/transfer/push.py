@@ -744,6 +744,11 @@ class PushConnector(KVConnector):
         )
         self.side.send(tuple(reg.reply_to), notice)
 
+    def stopped(self) -> list[str]:
+        if self._stop.is_set():
+            return []
+        return super().stopped() + self._dead_threads(self._threads)
+
     def _writer_stats(self) -> WriterStats:
         ws = self.writer_stats
         return msgspec.structs.replace(ws, failures_by_cause=dict(ws.failures_by_cause))

@@ -303,6 +303,11 @@ class SideChannel:
         except Exception:  # a handler bug must not kill the channel
             log.exception("side channel handler failed on %s", type(msg).__name__)
 
+    def stopped(self) -> list[str]:
+        """["side channel receiver"] if the receiving thread died before `close`."""
+        alive = self._thread.is_alive() or self._stop.is_set()
+        return [] if alive else ["side channel receiver"]
+
     def close(self) -> None:
         self._stop.set()
         self._thread.join(2.0)

@@ -46,3 +46,5 @@ class ConnectorMetrics(msgspec.Struct, kw_only=True):
     stats: ConnectorStats
     blocks_held: int
     writer: WriterStats | None = None  # push's prefill side only
+    # Threads and listeners the connector needs that have stopped (`KVConnector.stopped`).
+    stopped: list[str] = msgspec.field(default_factory=list)

@@ -270,6 +270,11 @@ class Transport(Protocol):
         """Like get_notifs, but waits up to `timeout_s` for at least one."""
         ...
 
+    def stopped(self) -> list[str]:
+        """The parts that must run and no longer do (a listener that died), by name; empty
+        while the transport is whole. An instance with a stopped part reports 503."""
+        ...
+
     def close(self) -> None:
         """Stop threads, fail pending transfers, close connections. Idempotent."""
         ...

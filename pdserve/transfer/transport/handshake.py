@@ -18,6 +18,7 @@ liveness link.
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import socket
@@ -56,6 +57,9 @@ MAX_PENDING_HANDSHAKES = 32
 # How long a connection may take to authenticate on the accepting side (the transport's own
 # `timeout_s` if shorter): a connection that says nothing holds its slot no longer.
 ANSWER_TIMEOUT_S = 5.0
+# accept() errors that no wait cures (the socket was closed or is not a listening socket);
+# the others (EMFILE, ENFILE, ENOBUFS, ENOMEM, ECONNABORTED...) pass, so they are retried.
+_FATAL_ACCEPT_ERRORS = frozenset({errno.EBADF, errno.ENOTSOCK, errno.EINVAL, errno.EOPNOTSUPP})
 ACCEPT_RETRY_MIN_S = 0.05  # the pause after a failed accept, doubled up to the max
 ACCEPT_RETRY_MAX_S = 1.0
 UNIX_BUFFER_BYTES = 4 << 20  # capped by net.core.{w,r}mem_max
@@ -286,6 +290,10 @@ class Listener:
     def alive(self) -> bool:
         return self._thread.is_alive()
 
+    @property
+    def name(self) -> str:
+        return self._name
+
     def _loop(self) -> None:
         pause = ACCEPT_RETRY_MIN_S
         while not self._stop.is_set():
@@ -295,6 +303,9 @@ class Listener:
                 continue
             except OSError as exc:
                 if self._stop.is_set():
+                    break
+                if exc.errno in _FATAL_ACCEPT_ERRORS:  # the socket itself is gone
+                    log.error("%s: the listening socket failed (%s): stopped", self._name, exc)
                     break
                 self._accept_failed(exc, pause)
                 pause = min(2 * pause, ACCEPT_RETRY_MAX_S)

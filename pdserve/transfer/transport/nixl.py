@@ -535,6 +535,12 @@ class NixlTransport:
         self.transfers.release(handle)
 
     # -- shutdown ---------------------------------------------------------------------------
+    def stopped(self) -> list[str]:
+        if self._closed:
+            return []
+        parts = [] if self._listener.alive else [f"KV listener {self._listener.name}"]
+        return parts + ([] if self._progress.is_alive() else ["NIXL progress thread"])
+
     def close(self) -> None:
         with self._lock:
             if self._closed:

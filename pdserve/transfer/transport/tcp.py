@@ -209,6 +209,11 @@ class TcpTransport:
         return self.inbox.take(timeout_s)
 
     # -- shutdown ---------------------------------------------------------------------------
+    def stopped(self) -> list[str]:
+        if self._closed:
+            return []
+        return [f"KV listener {x.name}" for x in self._listeners if not x.alive]
+
     def close(self) -> None:
         if self._closed:
             return
