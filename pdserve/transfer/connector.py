@@ -79,11 +79,14 @@ Trust (details and a table in docs/transport.md, "Connector security"):
   transfer, to one reader; a PullDone frees only its claimant's hold.
   The router's release of a hold (`POST /kv/release`) is verified by the HTTP front end
   with the token (pdserve.transfer.release) before it reaches the engine thread.
+  With a token the HTTP front end also admits a P/D leg only with the router's signature
+  over its params (pdserve.transfer.cluster_auth, checked in server/transfers.py), so a
+  push D leg's peer coordinates come from the router, and nobody else can make D wait or
+  dial, or make P hold blocks.
   Without a token nothing on the side channel is authenticated: anyone who reaches an
   instance's side-channel or HTTP port can send any message or params, and a client that
-  knows a live transfer id and its block ids can read that prompt's KV through D. Push
-  params are never signed (the router makes them); a push transfer is protected only by
-  the secrecy of its random transfer id.
+  knows a live transfer id and its block ids can read that prompt's KV through D; a push
+  transfer is then protected only by the secrecy of its random transfer id.
 """
 
 from __future__ import annotations
