@@ -552,14 +552,19 @@ def test_metrics(client: TestClient) -> None:
     complete(client, max_tokens=2, stream=True)
     complete(client, max_tokens=0)
     text = client.get("/metrics").text
-    ok = 'pdserve_requests_total{endpoint="/v1/completions",status="200"}'
-    bad = 'pdserve_requests_total{endpoint="/v1/completions",status="400"}'
+    series = 'pdserve_requests_total{endpoint="/v1/completions",model_name="fake-model",status='
+    ok, bad = series + '"200"}', series + '"400"}'
     assert metric(text, ok) == 2
     assert metric(text, bad) == 1
     assert metric(text, "pdserve_prompt_tokens_total") == 4
     assert metric(text, "pdserve_generation_tokens_total") == 5
     assert metric(text, "pdserve_time_to_first_token_seconds_count") == 2
     assert metric(text, "pdserve_time_per_output_token_seconds_count") == 2
+    # One inter-token latency per token after the first (the fake engine yields one a step).
+    assert metric(text, "pdserve_inter_token_latency_seconds_count") == (3 - 1) + (2 - 1)
+    assert 'pdserve_generation_tokens_total{model_name="fake-model"} 5.0' in text
+    assert metric(text, "pdserve:num_requests_running") == 0
+    assert metric(text, "pdserve:kv_cache_usage_perc") == 0
     assert metric(text, "pdserve_kv_blocks_total") == 32
     assert metric(text, "pdserve_kv_blocks_used") == 0
     assert metric(text, "pdserve_num_requests_running") == 0

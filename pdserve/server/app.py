@@ -66,7 +66,7 @@ def create_app(async_engine: EngineHandle, cfg: ServerConfig) -> FastAPI:
     `cfg.cluster_token` must be the engine's connector's (ValueError otherwise)."""
     check_token_matches(async_engine, cfg.cluster_token)
     served_name = cfg.served_model_name or async_engine.info.model_name
-    metrics = ServerMetrics(async_engine.stats)
+    metrics = ServerMetrics(async_engine.stats, served_name, async_engine.info.block_size)
     serving = OpenAIServing(async_engine, served_name, metrics)
     # No /docs, /redoc or /openapi.json: nothing a client needs, and a map for strangers.
     app = FastAPI(

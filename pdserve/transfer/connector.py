@@ -333,8 +333,7 @@ class KVConnector:
             if isinstance(item, Failed):
                 self.stats.failures += 1
                 return [KVFailed(req.request_id, transfer_error(item.cause, item.error))]
-            self.stats.recv_wait_seconds += time.monotonic() - req.kv_wait_start
-            self.stats.received += 1
+            self._count_arrival(time.monotonic() - req.kv_wait_start, item.prefill_done_time)
             return [KVReady(req.request_id, item.first_token_id, item.prefill_done_time)]
         return []
 
@@ -717,6 +716,15 @@ class KVConnector:
         self.stats.descriptors += ndesc
         self.stats.transfers += 1
         self.stats.transfer_seconds += seconds
+        self.stats.transfer_time.observe(seconds)
+
+    def _count_arrival(self, wait: float, prefill_done_time: float) -> None:
+        self.stats.recv_wait_seconds += wait
+        self.stats.recv_wait_time.observe(wait)
+        self.stats.received += 1
+        if prefill_done_time > 0:  # 0: P did not say (pull params from an older P)
+            # P's clock against D's: exact on one host, as good as clock sync across hosts.
+            self.stats.handoff_time.observe(max(0.0, time.time() - prefill_done_time))
 
     def _on_message(self, msg: m.Message) -> None:
         if isinstance(msg, m.Hello):

@@ -6,10 +6,16 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
-from pdserve.transfer.stats import ConnectorMetrics, WriterStats
+from pdserve.transfer.buckets import Buckets
+from pdserve.transfer.stats import ConnectorMetrics, ConnectorStats, WriterStats
 
 # (metric name, help, attribute of the connector's stats), all labelled by mode.
 _CONNECTOR_COUNTERS: tuple[tuple[str, str, str], ...] = (
@@ -53,6 +59,27 @@ _CONNECTOR_COUNTERS: tuple[tuple[str, str, str], ...] = (
     ),
 )
 
+# (metric name, help, attribute of the connector's stats): histograms, labelled by mode.
+# The summed counters above stay for whoever reads them; these give the distributions.
+_CONNECTOR_HISTOGRAMS: tuple[tuple[str, str, str], ...] = (
+    (
+        "pdserve_kv_transfer_duration_seconds",
+        "One KV transfer, from posting to completion (pull: D's read; push: P's write).",
+        "transfer_time",
+    ),
+    (
+        "pdserve_kv_recv_wait_duration_seconds",
+        "D: admission (push: registration) to KV arrival, per prompt.",
+        "recv_wait_time",
+    ),
+    (
+        "pdserve_kv_handoff_seconds",
+        "D: P's prefill_done_time (unix time) until D's engine takes the KV's arrival;"
+        " across hosts only as exact as their clocks.",
+        "handoff_time",
+    ),
+)
+
 
 class ConnectorCollector(Collector):
     """Transfer metrics of one instance: bytes, time, descriptors, failures, expiries, push."""
@@ -67,6 +94,7 @@ class ConnectorCollector(Collector):
         s, mode = snap.stats, snap.mode
         for name, doc, attr in _CONNECTOR_COUNTERS:
             yield _counter(name, doc, getattr(s, attr), mode)
+        yield from _histograms(s, mode)
         held = GaugeMetricFamily(
             "pdserve_kv_blocks_held",
             "Blocks the connector owns (holds, quarantine).",
@@ -108,6 +136,14 @@ def _push(ws: WriterStats) -> Iterable[Metric]:
     for cause, n in sorted(ws.failures_by_cause.items()):
         causes.add_metric([cause], n)
     yield causes
+
+
+def _histograms(s: ConnectorStats, mode: str) -> Iterable[Metric]:
+    for name, doc, attr in _CONNECTOR_HISTOGRAMS:
+        b: Buckets = getattr(s, attr)
+        h = HistogramMetricFamily(name, doc, labels=["mode"])
+        h.add_metric([mode], b.cumulative(), sum_value=b.total)
+        yield h
 
 
 def _counter(name: str, doc: str, value: float, mode: str) -> CounterMetricFamily:

@@ -8,13 +8,21 @@ from __future__ import annotations
 
 import msgspec
 
+from pdserve.transfer.buckets import Buckets, transfer_buckets, wait_buckets
+
 
 class ConnectorStats(msgspec.Struct):
-    """Counters for /metrics (ints and floats only; read from any thread)."""
+    """Counters and histograms for /metrics (numbers and bucket counts; read from any
+    thread)."""
 
     bytes_moved: int = 0
     transfers: int = 0
     transfer_seconds: float = 0.0
+    # The same, per transfer and by duration; then D's waits for KV (admission, push:
+    # registration, to arrival) and handoffs (P's prefill_done_time to the arrival on D).
+    transfer_time: Buckets = msgspec.field(default_factory=transfer_buckets)
+    recv_wait_time: Buckets = msgspec.field(default_factory=wait_buckets)
+    handoff_time: Buckets = msgspec.field(default_factory=transfer_buckets)
     descriptors: int = 0
     failures: int = 0
     lease_expired: int = 0
