@@ -23,6 +23,7 @@ import time
 import tracemalloc
 from collections.abc import Callable
 
+import msgspec
 import numpy as np
 import pytest
 import zmq
@@ -32,7 +33,8 @@ from pdserve.logsafe import Throttled, shown
 from pdserve.transfer import messages as m
 from pdserve.transfer.side_channel import MAX_MESSAGE_BYTES, SideChannel
 from pdserve.transfer.transport import create_transport, handshake
-from pdserve.transfer.transport.handshake import Listener
+from pdserve.transfer.transport.base import PeerCard
+from pdserve.transfer.transport.handshake import Listener, Me, dial
 from pdserve.transfer.transport.wire import (
     MAX_HANDSHAKE_HEADER_BYTES,
     Deadline,
@@ -235,3 +237,30 @@ def test_throttled_logs_one_line_per_interval_with_the_count(caplog) -> None:
     assert caplog.records[-1].getMessage() == (
         "bad frame 20000 (and 19999 more like it in the last 10 s)"
     )
+
+
+def test_a_peer_cannot_forge_log_lines(caplog) -> None:
+    """A client whose engine id carries a newline and 100 kB fails the token check; the
+    warning naming it is one escaped, bounded line."""
+    t = tcp()
+    forged = "evil\n2026-12-02 00:00:00 INFO pdserve: all good" + "x" * 100_000
+    me = Me(
+        PeerCard(
+            kind="tcp",
+            engine_id=forged,
+            incarnation="i1",
+            started_ns=time.time_ns(),
+            host="127.0.0.1",
+            port=1,
+        ),
+        "not-the-token",
+    )
+    try:
+        with caplog.at_level(logging.WARNING), pytest.raises(Exception):  # noqa: B017
+            dial(msgspec.msgpack.decode(t.local_metadata(), type=PeerCard), me, 5.0)
+        wait_for(lambda: any("refused a connection" in r.getMessage() for r in caplog.records))
+    finally:
+        t.close()
+    lines = [r.getMessage() for r in caplog.records if "refused a connection" in r.getMessage()]
+    assert lines and all("\n" not in m and len(m) < 1000 for m in lines), lines
+    assert any("evil\\n2026" in m for m in lines), lines  # escaped, still readable
