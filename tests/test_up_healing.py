@@ -37,6 +37,7 @@ from pdserve.ports import free_port
 from pdserve.supervisor import ChildBack, Supervisor
 from pdserve.transfer.cluster_auth import route_headers
 from tests.procs import REPO_ROOT
+from tests.test_supervisor import _stop_up
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -387,14 +388,3 @@ def _post_status(url: str, body: dict) -> int:
         return httpx.post(url, json=body, timeout=30, trust_env=False).status_code
     except httpx.HTTPError:
         return 0
-
-
-def _stop_up(proc: subprocess.Popen[str]) -> None:
-    """After a failure: SIGTERM first, so that `pdserve up` still stops its children."""
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
