@@ -39,6 +39,17 @@ def make_engine(loaded, role: str, mode: str, transport: str = "tcp", num_blocks
     return LLMEngine(loaded, engine_config(num_blocks), build_factory(ccfg, tcfg))
 
 
+def greedy_tokens(mono: LLMEngine, ids: list[int], params: SamplingParams) -> list[int]:
+    """The tokens a monolithic engine generates for `ids` alone (it must be idle)."""
+    mono.add_request(
+        EngineRequest(request_id=uuid.uuid4().hex, prompt_token_ids=ids, params=params)
+    )
+    tokens: list[int] = []
+    while mono.has_work():
+        tokens += [t for o in mono.step() for t in o.new_token_ids]
+    return tokens
+
+
 @dataclass
 class Pair:
     p: LLMEngine

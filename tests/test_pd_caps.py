@@ -32,7 +32,7 @@ from pdserve.transfer import messages as m
 from pdserve.transfer.errors import TransferCause, parse_transfer_error
 from pdserve.transfer.params import KVTransferParams
 from pdserve.transfer.side_channel import SideChannel
-from tests.pd_harness import Pair, _fields, make_engine
+from tests.pd_harness import Pair, _fields, greedy_tokens, make_engine
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -47,13 +47,7 @@ def loaded(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(loaded):
-    mono = make_engine(loaded, "both", "pull")
-    mono.add_request(EngineRequest(request_id="m", prompt_token_ids=IDS, params=GREEDY))
-    tokens: list[int] = []
-    while mono.has_work():
-        for o in mono.step():
-            tokens += o.new_token_ids
-    return tokens
+    return greedy_tokens(make_engine(loaded, "both", "pull"), IDS, GREEDY)
 
 
 @pytest.fixture

@@ -17,7 +17,7 @@ import pytest
 from pdserve.config import ModelConfig
 from pdserve.engine.types import EngineRequest, FinishReason, SamplingParams
 from pdserve.model.loader import load_model
-from tests.pd_harness import Pair, make_engine, unreachable_push_params
+from tests.pd_harness import Pair, greedy_tokens, make_engine, unreachable_push_params
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
@@ -36,13 +36,7 @@ def reference(loaded):
     def ref(ids: list[int]) -> list[int]:
         key = tuple(ids)
         if key not in cache:
-            rid = f"m{len(cache)}"
-            mono.add_request(EngineRequest(request_id=rid, prompt_token_ids=ids, params=GREEDY))
-            toks: list[int] = []
-            while mono.has_work():
-                for o in mono.step():
-                    toks += o.new_token_ids
-            cache[key] = toks
+            cache[key] = greedy_tokens(mono, ids, GREEDY)
         return cache[key]
 
     return ref

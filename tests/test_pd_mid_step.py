@@ -18,7 +18,7 @@ from pdserve.config import ModelConfig
 from pdserve.engine.types import EngineRequest, RequestOutput, SamplingParams
 from pdserve.model.loader import load_model
 from pdserve.transfer.params import KVTransferParams
-from tests.pd_harness import Pair, make_engine
+from tests.pd_harness import Pair, greedy_tokens, make_engine
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -37,12 +37,7 @@ def loaded(tmp_path_factory):
 
 
 def monolithic(loaded, ids: list[int], params: SamplingParams) -> list[int]:
-    mono = make_engine(loaded, "both", "pull")
-    mono.add_request(EngineRequest(request_id="m", prompt_token_ids=ids, params=params))
-    tokens: list[int] = []
-    while mono.has_work():
-        tokens += [t for o in mono.step() for t in o.new_token_ids]
-    return tokens
+    return greedy_tokens(make_engine(loaded, "both", "pull"), ids, params)
 
 
 @pytest.fixture

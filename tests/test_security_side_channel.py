@@ -26,13 +26,13 @@ import zmq
 
 from pdserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, TransportConfig
 from pdserve.engine.engine import LLMEngine
-from pdserve.engine.types import EngineRequest, FinishReason, SamplingParams
+from pdserve.engine.types import FinishReason, SamplingParams
 from pdserve.model.loader import LoadedModel, load_model
 from pdserve.transfer import messages as m
 from pdserve.transfer.connector import ConnectorConfig
 from pdserve.transfer.factory import build_factory
 from pdserve.transfer.side_channel import Address, ReplayGuard, SideChannel, new_nonce
-from tests.pd_harness import Pair, _fields
+from tests.pd_harness import Pair, _fields, greedy_tokens
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -63,12 +63,7 @@ def loaded(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
 @pytest.fixture(scope="module")
 def reference(loaded: LoadedModel) -> list[int]:
     mono = LLMEngine(loaded, EngineConfig(cache=CacheConfig(block_size=16, num_blocks=64)))
-    mono.add_request(EngineRequest(request_id="m", prompt_token_ids=PROMPT, params=GREEDY))
-    tokens: list[int] = []
-    while mono.has_work():
-        for o in mono.step():
-            tokens += o.new_token_ids
-    return tokens
+    return greedy_tokens(mono, PROMPT, GREEDY)
 
 
 @pytest.fixture
