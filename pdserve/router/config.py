@@ -13,7 +13,7 @@ POLICY_NAMES: tuple[PolicyName, ...] = ("round_robin", "least_loaded", "least_to
 
 # Prompts shorter than this (in tokens) are prefilled on the decode instance itself
 # (conditional disaggregation; 0 disables). Measured on the 2-core CPU machine, 1P1D push
-# (docs/benchmarks.md, "Conditional disaggregation"): up to 48 tokens local prefill wins
+# (docs/results.md, "local prefill below 64 tokens"): up to 48 tokens local prefill wins
 # TTFT in both runs at equal or better TPOT for D's other streams; from 128 tokens it raises
 # their TPOT (1.3-1.9x, 6.6x at 1,024). The crossover lies between 32 and 64 tokens in one
 # run and between 64 and 128 in the other, so 64 is the default: it sits in both ranges.

@@ -44,8 +44,8 @@ log = logging.getLogger("pdserve.serve")
 
 API_KEY_ENV = "PDSERVE_API_KEY"
 SHUTDOWN_GRACE_S = 5.0  # in-flight requests get this long to finish on SIGTERM
-# asyncio's own loop, also where uvloop is installed: measured with push (docs/benchmarks.md,
-# "uvloop and httptools"), uvloop under the instances and the router made the handoff 1-2 ms
+# asyncio's own loop, also where uvloop is installed: measured with push (docs/results.md,
+# "httptools, and asyncio's loop rather than uvloop"), uvloop under the instances and the router made the handoff 1-2 ms
 # longer for no gain in CPU per token that httptools alone does not give.
 UVICORN_LOOP = "asyncio"
 LISTEN_BACKLOG = 2048  # uvicorn's default; it keeps the backlog given here
@@ -138,7 +138,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="run the engine loop in a child process with its own interpreter, so the HTTP "
         "front end (parsing, formatting and sending streams) never holds the GIL the engine "
         "needs; costs one IPC hop per step. Off by default: on 2 cores it did not improve "
-        "TPOT (docs/benchmarks.md, 'The engine core in its own process')",
+        "TPOT (docs/results.md, 'engine loop in its own process')",
     )
     http = parser.add_argument_group("HTTP")
     http.add_argument("--host", default=vc.host, help="address to listen on (default: %(default)s)")

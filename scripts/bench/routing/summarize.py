@@ -1,4 +1,4 @@
-"""Tables for docs/benchmarks.md (routing) from the result JSONs in results/routing/."""
+"""Tables for docs/results.md (routing) from the result JSONs in results/routing/."""
 
 from __future__ import annotations
 
