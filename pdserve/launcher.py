@@ -16,7 +16,8 @@ instance gets its own equal share (2 cores, 1P1D: P on core 0, D on core 1), pin
 made any thread, so every later thread inherits it) and told `--threads` to match. The
 router shares the prefill instances' cores: left unpinned, the scheduler moves it onto the
 decode core whenever P is busy, which measurably slows decoding (docs/results.md,
-"keep load generators and the router off D's core"). `check_pinning` verifies every thread afterwards.
+"keep load generators and the router off D's core"). `check_pinning` verifies every thread
+afterwards.
 
 `cores` (`--cores`) narrows the cores shared out to a given list; with fewer cores than
 instances, every instance is pinned to all of them. `--monolithic --cores 0` is the baseline
