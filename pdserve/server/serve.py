@@ -46,7 +46,8 @@ API_KEY_ENV = "PDSERVE_API_KEY"
 SHUTDOWN_GRACE_S = 5.0  # in-flight requests get this long to finish on SIGTERM
 # asyncio's own loop, also where uvloop is installed: measured with push (docs/results.md,
 # "httptools, and asyncio's loop rather than uvloop"), uvloop under the instances and the
-# router made the handoff 1-2 ms longer for no gain in CPU per token that httptools alone does not give.
+# router made the handoff 1-2 ms longer for no gain in CPU per token that httptools alone
+# does not give.
 UVICORN_LOOP = "asyncio"
 LISTEN_BACKLOG = 2048  # uvicorn's default; it keeps the backlog given here
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
