@@ -22,6 +22,7 @@ $(STAMP): pyproject.toml
 
 test: venv
 	$(PY) -m ruff check pdserve tests scripts
+	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q -ra --durations=15
 
 test-fast: venv
@@ -30,6 +31,7 @@ test-fast: venv
 lint: venv
 	$(PY) -m ruff check pdserve tests scripts
 	$(PY) -m ruff format --check pdserve tests scripts
+	$(VENV)/bin/lint-imports
 
 format: venv
 	$(PY) -m ruff format pdserve tests scripts
