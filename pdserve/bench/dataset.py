@@ -174,10 +174,6 @@ def _read_records(path: Path) -> list[TraceRecord]:
     return [rec for _, rec in records]
 
 
-def _has_time(rec: TraceRecord) -> bool:
-    return rec.timestamp is not None or rec.arrival_offset_s is not None
-
-
 def _check_timing_consistent(path: Path, records: list[tuple[int, TraceRecord]]) -> None:
     """Either every line carries an arrival time of the same kind, or none does."""
     first_line, first = records[0]

@@ -81,14 +81,6 @@ class BlockPool:
         for b in blocks:
             self._owner[b] = new
 
-    def _check_owner(self, blocks: Iterable[int], owner: str) -> list[int]:
-        blocks = list(blocks)
-        for b in blocks:
-            if self._owner.get(b) != owner:
-                found = self._owner.get(b)
-                raise BlockIntegrityError(f"block {b} is owned by {found!r}, not {owner!r}")
-        return blocks
-
     def owner_of(self, block: int) -> str | None:
         return self._owner.get(block)
 
