@@ -25,8 +25,10 @@ test: venv
 	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q -ra --durations=15
 
+# The unit tier: no test that starts a process (tests/conftest.py marks them `process` and,
+# with PDSERVE_UNIT_TIER set, fails any other test that starts one).
 test-fast: venv
-	$(PY) -m pytest -q -m "not slow"
+	PDSERVE_UNIT_TIER=1 $(PY) -m pytest -q -m "not slow and not process" --durations=10
 
 lint: venv
 	$(PY) -m ruff check pdserve tests scripts
