@@ -56,7 +56,7 @@ def _starts_processes(path: Path, cache: dict[Path, bool]) -> bool:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     cache: dict[Path, bool] = {}
     for item in items:
-        if _starts_processes(Path(item.fspath), cache):
+        if _starts_processes(item.path, cache):
             item.add_marker(pytest.mark.process)
 
 
