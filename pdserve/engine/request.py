@@ -16,6 +16,7 @@ import torch
 
 from pdserve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.engine.types import EngineRequest, FinishReason, SamplingParams
+from pdserve.token_logprob import TokenLogprob
 
 
 class RequestState(enum.Enum):
@@ -47,6 +48,15 @@ class Request:
         self.generator: torch.Generator | None = None
         if req.params.seed is not None:
             self.generator = torch.Generator().manual_seed(req.params.seed)
+        # Only when asked: one per output token; one per prompt token (None for the first),
+        # filled by the runner as the prompt's chunks run, handed out with the first output.
+        self.logprobs: list[TokenLogprob | None] | None = None
+        if req.params.logprobs is not None:
+            self.logprobs = []
+        self.prompt_logprobs: list[TokenLogprob | None] | None = None
+        if req.params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None]
+        self.prompt_logprobs_sent = False
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -64,6 +74,12 @@ class Request:
         if start >= p:  # decode: a slice of the outputs, without copying the whole prompt
             return self.output_token_ids[start - p : end - p]
         return self.prompt_token_ids[start:] + self.output_token_ids[: end - p]
+
+    @property
+    def last_logprob(self) -> TokenLogprob | None:
+        """The logprobs of the last output token, when the request asked for them (P/D: what
+        travels to D with the first token)."""
+        return self.logprobs[-1] if self.logprobs else None
 
     @property
     def is_remote_decode(self) -> bool:

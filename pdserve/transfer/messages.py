@@ -11,6 +11,7 @@ from enum import StrEnum
 
 import msgspec
 
+from pdserve.token_logprob import TokenLogprob
 from pdserve.transfer.errors import TransferCause
 
 
@@ -74,6 +75,7 @@ class PushDone(msgspec.Struct, tag=True, kw_only=True):
     transfer_id: str
     first_token_id: int
     prefill_done_time: float
+    first_token_logprobs: TokenLogprob | None = None  # when the request asked for logprobs
 
 
 class PushFailCause(StrEnum):

@@ -107,6 +107,7 @@ class PullConnector(KVConnector):
             remote_block_ids=list(h.blocks),
             remote_num_tokens=h.num_tokens,
             first_token_id=first_token,
+            first_token_logprobs=req.last_logprob,
             prefill_done_time=h.done_time,
             expires_at=time.time() + self.cfg.lease_s,
         )
@@ -282,7 +283,9 @@ class PullConnector(KVConnector):
         p = job.params
         local, remote = self.descriptors(peer, job.blocks, p.remote_block_ids)
         self.run_transfer("read", peer, local, remote, None)
-        return Arrived(job.tid, p.first_token_id, p.prefill_done_time or 0.0)
+        return Arrived(
+            job.tid, p.first_token_id, p.prefill_done_time or 0.0, p.first_token_logprobs
+        )
 
     def close(self) -> None:
         self._lanes.close()

@@ -59,6 +59,7 @@ import msgspec
 
 from pdserve.engine.request import Request
 from pdserve.logsafe import shown
+from pdserve.token_logprob import TokenLogprob
 from pdserve.transfer import messages as m
 from pdserve.transfer.connector import (
     Arrived,
@@ -99,6 +100,7 @@ class _Finished:
     first_token_id: int
     done_time: float
     ready_at: float  # tests may delay the hand-off to force an arrival order
+    first_token_logprobs: TokenLogprob | None = None
 
 
 @dataclass
@@ -281,7 +283,10 @@ class PushConnector(KVConnector):
                 if isinstance(msg, m.PushDone):
                     hop(msg.transfer_id, "d.notif_thread")
                     self._p_of.pop(msg.transfer_id, None)
-                    self.report(Arrived(msg.transfer_id, msg.first_token_id, msg.prefill_done_time))
+                    lp = msg.first_token_logprobs
+                    self.report(
+                        Arrived(msg.transfer_id, msg.first_token_id, msg.prefill_done_time, lp)
+                    )
 
     def _abandon(self, tid: str, req: Request) -> None:
         """D: its peer is gone: a registration not sent yet never will be (module doc)."""
@@ -329,7 +334,15 @@ class PushConnector(KVConnector):
         hop(h.transfer_id, "p.prefill_done", h.done_time)
         ready = time.monotonic() + self.cfg.push_finish_delay_s
         self._inbox.put(
-            _Finished(h.transfer_id, list(h.blocks), h.num_tokens, first_token, h.done_time, ready)
+            _Finished(
+                h.transfer_id,
+                list(h.blocks),
+                h.num_tokens,
+                first_token,
+                h.done_time,
+                ready,
+                req.last_logprob,
+            )
         )
         return KVTransferParams(
             transfer_mode="push",
@@ -494,6 +507,7 @@ class PushConnector(KVConnector):
             done = m.PushDone(
                 transfer_id=reg.transfer_id,
                 first_token_id=fin.first_token_id,
+                first_token_logprobs=fin.first_token_logprobs,
                 prefill_done_time=fin.done_time,
             )
             try:
@@ -621,6 +635,7 @@ class PushConnector(KVConnector):
         done = m.PushDone(
             transfer_id=tid,
             first_token_id=st.fin.first_token_id,
+            first_token_logprobs=st.fin.first_token_logprobs,
             prefill_done_time=st.fin.done_time,
         )
         peer = self.known_peer(st.reg.engine_id, st.reg.incarnation)
