@@ -204,9 +204,6 @@ def _check_decode_leg(
         )
     if p.first_token_id is not None and p.first_token_id >= instance.vocab_size:
         raise _bad("first_token_id", f"is outside the vocabulary [0, {instance.vocab_size})")
-    lp = p.first_token_logprobs
-    if lp is not None and any(t >= instance.vocab_size for t in lp.top_ids):
-        raise _bad("first_token_logprobs", "names a token outside the vocabulary")
 
 
 def check_remote_blocks(p: KVTransferParams, remote_num_blocks: int) -> None:
