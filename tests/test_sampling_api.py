@@ -122,7 +122,7 @@ def test_streamed_completion_logprobs_equal_the_whole_response(served) -> None:
 
 
 def test_chat_logprobs_shape(served, hf) -> None:
-    client, llm = served
+    client, _ = served
     messages = [{"role": "user", "content": "Say something"}]
     body = post(
         client,
@@ -168,7 +168,7 @@ def test_n_choices_with_a_seed_are_reproducible(served) -> None:
 
 
 def test_n_choices_stream_each_index(served) -> None:
-    client, llm = served
+    client, _ = served
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "n": 2}
     body.update(stream=True, seed=1, ignore_eos=True)
     r = client.post("/v1/chat/completions", json=body)

@@ -16,6 +16,8 @@ tokens goes straight to a decode instance as a plain request (no `kv_transfer_pa
 which prefills it itself: no P leg, no transfer. Its length must be known exactly (token
 ids, or the instance's `/tokenize`, not asked for a text far above the threshold); when it
 is not, the request is disaggregated. On by default below 64 tokens (`RouterConfig`).
+Requests one instance serves better (`pdserve.router.local_only`: prompt logprobs,
+`max_tokens` 0, `n` > 1) go the same way whatever their length.
 
 No prefill left: while no prefill instance can take this mode's P leg but a decode
 instance is admitted, every request is served as a local prefill on a decode instance
@@ -89,6 +91,7 @@ from pdserve.router.health import (
     Role,
 )
 from pdserve.router.load_model import Demand
+from pdserve.router.local_only import local_only_reason
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.prompt_size import (
     certainly_not_below,
@@ -152,9 +155,14 @@ class DecodeStart:
 
 
 def prefill_body(body: dict[str, Any], params: Params) -> dict[str, Any]:
-    """The client's request turned into a P leg: one token, no stream, router's params."""
-    out = {k: v for k, v in body.items() if k not in ("stream_options", "min_tokens")}
+    """The client's request turned into a P leg: one token, no stream, router's params.
+    The sampling fields stay (P samples the first token as the client asked, logprobs
+    included); `min_tokens` is cut to the one token P makes."""
+    out = {k: v for k, v in body.items() if k != "stream_options"}
     out.update(max_tokens=1, stream=False, kv_transfer_params=params)
+    min_tokens = out.get("min_tokens")
+    if type(min_tokens) is int and min_tokens > 1:
+        out["min_tokens"] = 1
     if "max_completion_tokens" in out:
         out["max_completion_tokens"] = 1
     return out
@@ -215,6 +223,9 @@ class Dispatcher:
         hop(call.request_id, "r.received")
         try:
             demand, exact = await self._demand(call)
+            if local_only_reason(call.body, call.path) is not None:
+                mode = "local"
+                return await self._local(call, demand, mode)
             if exact and demand.prompt_tokens < self._config.local_prefill_below:
                 mode = "local"
                 return await self._local(call, demand, mode)
