@@ -53,7 +53,7 @@ REQUESTS: list[tuple[str, dict[str, Any]]] = [
     ("/v1/completions", {"prompt": PROMPT, "max_tokens": 0, "echo": True, "logprobs": 2}),
     (
         "/v1/completions",
-        {"prompt": PROMPT, "max_tokens": 6, "temperature": 1.0, "seed": 5, "n": 3},
+        {"prompt": "Once upon", "max_tokens": 8, "temperature": 1.0, "seed": 7, "n": 3},
     ),
 ]
 
