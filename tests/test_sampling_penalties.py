@@ -149,3 +149,25 @@ def test_min_tokens_holds_back_eos_and_stop_ids(hf_and_loaded) -> None:
     tokens = engine_tokens(lm, [5, 6, 7], held)
     assert len(tokens) == 4 and tokens[-1] == eos
     assert not set(tokens[:3]) & {eos, 60, *lm.tokenizer.eos_token_ids}
+
+
+@pytest.mark.parametrize(
+    "sp",
+    [
+        SamplingParams(logprobs=21),
+        SamplingParams(prompt_logprobs=-1),
+        SamplingParams(logit_bias=((300, 1.0),)),
+        SamplingParams(logit_bias=((3, math.inf),)),
+        SamplingParams(repetition_penalty=0.0),
+        SamplingParams(presence_penalty=math.nan),
+        SamplingParams(min_tokens=-1),
+        SamplingParams(stop_token_ids=(-1,)),
+    ],
+)
+def test_engine_refuses_params_it_cannot_run(hf_and_loaded, sp) -> None:
+    """In-process callers (the offline API) get an error output, not a failed batch."""
+    _, lm = hf_and_loaded
+    engine = LLMEngine(lm, EngineConfig(cache=CacheConfig(block_size=16, num_blocks=64)))
+    (out,) = engine.add_request(EngineRequest(request_id="bad", prompt_token_ids=[1, 2], params=sp))
+    assert out.finished and out.finish_reason.value == "error" and out.error
+    assert not engine.has_work()

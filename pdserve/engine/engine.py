@@ -19,6 +19,7 @@ from pdserve.config import EngineConfig
 from pdserve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.engine.handle import EngineInfo
 from pdserve.engine.logprobs import attach_logprobs
+from pdserve.engine.params_check import sampling_problem
 from pdserve.engine.request import Request, RequestState
 from pdserve.engine.runner import ModelRunner
 from pdserve.engine.scheduler import Scheduler, SchedulerOutput, blocks_needed
@@ -132,6 +133,9 @@ class LLMEngine:
             )
         if blocks_needed(total, self.kv.block_size) > self.pool.num_blocks:
             return f"prompt + max_tokens = {total} tokens do not fit in the KV cache"
+        bad = sampling_problem(er.params, self.loaded.spec.vocab_size)
+        if bad:
+            return bad
         p = er.kv_transfer
         if p is None or not (p.do_remote_prefill or p.do_remote_decode):
             return None
