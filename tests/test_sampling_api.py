@@ -219,3 +219,13 @@ def test_logprob_values_are_finite_json(served) -> None:
     for top in body["choices"][0]["logprobs"]["top_logprobs"]:
         assert 1 < len(top) <= 21
         assert all(math.isfinite(v) and v <= 0 for v in top.values())
+
+
+def test_min_tokens_holds_back_stop_strings(served) -> None:
+    client, _ = served
+    body = {"prompt": "x", "max_tokens": 8, "temperature": 0, "logit_bias": {"98": 100}}
+    body["stop"] = ["b"]  # byte-level: id 98 is "b", which the bias makes every token
+    assert post(client, "/v1/completions", **body)["choices"][0]["text"] == ""
+    held = post(client, "/v1/completions", **body, min_tokens=3)
+    assert held["choices"][0] == {**held["choices"][0], "text": "bbb", "finish_reason": "stop"}
+    assert held["usage"]["completion_tokens"] == 4

@@ -334,7 +334,7 @@ class LLMEngine:
         if not p.ignore_eos and token in self.tokenizer.eos_token_ids:
             return True
         # Before `min_tokens` a stop string does not stop (EOS and stop ids are masked).
-        return req.detok.append(token) and len(req.output_token_ids) > p.min_tokens
+        return req.detok.append(token, check_stop=len(req.output_token_ids) > p.min_tokens)
 
     def _length_reason(self, req: Request) -> FinishReason | None:
         if req.is_remote_decode or len(req.output_token_ids) >= req.params.max_tokens:

@@ -13,6 +13,7 @@ import torch
 
 from pdserve.engine.logprobs import prompt_chunk_logprobs, token_logprobs
 from pdserve.engine.penalties import process_logits
+from pdserve.engine.request import Request
 from pdserve.engine.sampler import sample
 from pdserve.engine.scheduler import ScheduledSeq
 from pdserve.kv.cache import KVCache
@@ -66,7 +67,9 @@ class ModelRunner:
         logits = self.model.compute_logits(_rows_to_sample(hidden, meta, rows))
         return self._sample(logits, [seqs[i].request for i in rows])
 
-    def _sample(self, logits: torch.Tensor, reqs: list) -> dict[str, Sampled]:
+    def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> dict[str, Sampled]:
+        """Process the logits of the requests that ask (penalties, bias, min_tokens), sample,
+        and give the tokens of those that ask their logprobs under the raw logits."""
         params = [r.params for r in reqs]
         wants = [i for i, p in enumerate(params) if p.logprobs is not None]
         raw = logits[wants] if wants else None  # a copy: logprobs are of the raw logits
