@@ -310,9 +310,9 @@ class LLMEngine:
         for s in sched.seqs:
             req = s.request
             req.num_computed_tokens = s.num_computed + s.num_new
-            s = sampled.get(req.request_id)
-            if s is not None:
-                outputs.append(self._append_token(req, s.token, s.logprob))
+            got = sampled.get(req.request_id)
+            if got is not None:
+                outputs.append(self._append_token(req, got.token, got.logprob))
         return outputs
 
     def _append_token(
