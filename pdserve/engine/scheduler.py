@@ -188,7 +188,7 @@ class Scheduler:
         if not self.pool.can_allocate(fresh + taken):
             return 0
         self.pool.share(hits, req.request_id)
-        req.block_ids = hits
+        req.block_ids = list(hits)
         req.num_cached_blocks = len(hits)
         req.num_computed_tokens = start
         self._grow(req, start + n)
@@ -196,10 +196,10 @@ class Scheduler:
         self.prefix_hits += start
         return n
 
-    def _cache_hit(self, req: Request) -> list[int]:
-        """The cached blocks holding `req`'s longest cached block prefix, short of its last
-        token (nothing is taken yet)."""
-        limit = req.num_tokens - 1
+    def _cache_hit(self, req: Request, limit: int | None = None) -> list[int]:
+        """The cached blocks holding `req`'s longest cached block prefix within its first
+        `limit` tokens (default: short of its last token); nothing is taken yet."""
+        limit = req.num_tokens - 1 if limit is None else limit
         extend_hashes(req.block_hashes, req.token_ids, limit, self.block_size)
         hits: list[int] = []
         for h in req.block_hashes[: limit // self.block_size]:
@@ -245,17 +245,35 @@ class Scheduler:
         headroom of free blocks is kept for the running requests to grow into: without it
         a backlog on P fills D's pool and forces preemptions (local recompute) on D.
         """
-        need = blocks_needed(req.num_prompt_tokens, self.block_size)
+        hits = self._remote_hit(req)
+        taken = sum(1 for b in hits if self.pool.is_free(b))
+        need = blocks_needed(req.num_prompt_tokens, self.block_size) - len(hits) + taken
         headroom = len(self.running) + max(1, self.pool.num_blocks // 20)
         if self.pool.num_free - need < headroom and (self.running or self.waiting_for_kv):
             return False
-        if not self._grow(req, req.num_prompt_tokens):
+        if not self.pool.can_allocate(need):
             return False
+        if hits:
+            self.pool.share(hits, req.request_id)
+            req.block_ids = list(hits)
+            req.num_cached_blocks = len(hits)
+        self._grow(req, req.num_prompt_tokens)
+        if self.prefix_caching:
+            self.prefix_queries += req.num_prompt_tokens
+            self.prefix_hits += len(hits) * self.block_size
         self.waiting.popleft()
         req.state = RequestState.WAITING_FOR_REMOTE_KV
         self.waiting_for_kv[req.request_id] = req
         self.on_remote_admit(req)
         return True
+
+    def _remote_hit(self, req: Request) -> list[int]:
+        """D: the cached blocks of `req`'s prompt prefix, so that only the rest is received.
+        At least the prompt's last block always comes from P (with P's first token)."""
+        if not self.prefix_caching or req.block_ids:
+            return []
+        limit = (req.num_prompt_tokens - 1) // self.block_size * self.block_size
+        return self._cache_hit(req, limit)
 
     def kv_arrived(self, req: Request) -> None:
         """D: the prompt's KV is in the request's blocks; it decodes from now on."""
