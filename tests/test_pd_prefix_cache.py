@@ -100,3 +100,24 @@ def test_failed_partial_transfer_leaks_nothing(loaded, mode) -> None:
     finally:
         pair.close()
         mono.close()
+
+
+def test_a_registration_must_name_exactly_the_blocks_past_its_skip() -> None:
+    """P checks D's `skip_blocks` before writing: a skip outside the prompt, or block ids
+    that do not cover the rest exactly, is a size mismatch (nothing is written)."""
+    from pdserve.transfer import messages as m
+    from pdserve.transfer.push import _fits
+
+    def reg(block_ids: list[int], skip: int) -> m.PushRegistration:
+        return m.PushRegistration(
+            transfer_id="t", engine_id="d", incarnation="i", reply_to=("127.0.0.1", 1),
+            block_ids=block_ids, num_tokens=40, skip_blocks=skip,
+        )  # fmt: skip
+
+    p_blocks = [5, 6, 7]  # 40 tokens in blocks of 16
+    assert _fits(reg([1, 2, 3], 0), p_blocks, 40)
+    assert _fits(reg([3], 2), p_blocks, 40)
+    assert not _fits(reg([], 3), p_blocks, 40)  # the last block is always sent
+    assert not _fits(reg([1, 2, 3, 4], -1), p_blocks, 40)
+    assert not _fits(reg([2, 3], 2), p_blocks, 40)
+    assert not _fits(reg([3], 2), p_blocks, 41)
