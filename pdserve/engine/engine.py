@@ -80,7 +80,7 @@ class LLMEngine:
         )
         self.kv = KVCache.allocate(spec, num_blocks, bs, loaded.dtype, device)
         self.pool = BlockPool(num_blocks)
-        self.scheduler = Scheduler(cfg.scheduler, self.pool, bs)
+        self.scheduler = Scheduler(cfg.scheduler, self.pool, bs, cfg.cache.enable_prefix_caching)
         self.runner = ModelRunner(loaded.model, self.kv, device, self.tokenizer.eos_token_ids)
         self.requests: dict[str, Request] = {}
         self.trace = StepTracer()  # DEBUG lines on pdserve.engine.steps (steptrace.py)
@@ -310,6 +310,7 @@ class LLMEngine:
         for s in sched.seqs:
             req = s.request
             req.num_computed_tokens = s.num_computed + s.num_new
+            self.scheduler.cache_computed(req)
             got = sampled.get(req.request_id)
             if got is not None:
                 outputs.append(self._append_token(req, got.token, got.logprob))
@@ -420,16 +421,19 @@ class LLMEngine:
             kv_blocks_used=self.pool.num_used,
             kv_blocks_total=self.pool.num_blocks,
             num_preemptions=self.scheduler.num_preemptions,
+            prefix_cache_queries=self.scheduler.prefix_queries,
+            prefix_cache_hits=self.scheduler.prefix_hits,
         )
 
     def check_integrity(self) -> None:
-        """Pool consistent, and every used block belongs to a live request or the connector."""
+        """Pool consistent, and every hold on a block is a live request's or the connector's
+        (a cached block shared by several counts once per holder)."""
         self.pool.check_integrity()
         owned = sum(len(r.block_ids) for r in self.requests.values())
         if self.connector is not None:
             owned += self.connector.num_blocks_held()
-        if owned != self.pool.num_used:
-            raise AssertionError(f"{self.pool.num_used} blocks used, owners account for {owned}")
+        if owned != self.pool.num_refs:
+            raise AssertionError(f"{self.pool.num_refs} block holds, owners account for {owned}")
 
     def close(self) -> None:
         if self.connector is not None:

@@ -1,7 +1,8 @@
 """A request's life inside the engine: its tokens, its blocks and its state.
 
-Owned by the engine thread. `block_ids` are owned (in the block pool) by the tag
-`request_id` while the request is WAITING (after a preemption they are empty),
+Owned by the engine thread. `block_ids` are held (in the block pool) by the tag
+`request_id` (the first `num_cached_blocks` shared read-only with other holders when
+prefix caching found them) while the request is WAITING (after a preemption they are empty),
 WAITING_FOR_REMOTE_KV (D: reserved for the incoming prompt KV) or RUNNING. The
 connector takes them over under its own tags only when the request ends (see
 pdserve.transfer.connector).
@@ -37,6 +38,11 @@ class Request:
         self.output_token_ids: list[int] = []
         self.block_ids: list[int] = []
         self.num_computed_tokens = 0  # tokens whose K/V are in this request's blocks
+        # Prefix caching: the chained hashes of the full blocks of prompt + outputs known so
+        # far (kept across preemption: the tokens do not change), and how many of
+        # `block_ids` are registered in (or were taken from) the cache.
+        self.block_hashes: list[bytes] = []
+        self.num_cached_blocks = 0
         self.state = RequestState.WAITING
         self.finish_reason: FinishReason | None = None
         self.detok = detok

@@ -102,6 +102,8 @@ class EngineStats(msgspec.Struct, frozen=True, kw_only=True):
     kv_blocks_total: int
     num_preemptions: int = 0
     num_waiting_for_kv: int = 0
+    prefix_cache_queries: int = 0  # tokens looked up in the prefix cache (counter)
+    prefix_cache_hits: int = 0  # tokens found there (counter)
 
 
 class LiveRequest(msgspec.Struct, frozen=True, kw_only=True):

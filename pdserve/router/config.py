@@ -8,8 +8,14 @@ from typing import Literal
 from pdserve.server.body_limit import MAX_BODY_BYTES
 
 TransferMode = Literal["pull", "push"]
-PolicyName = Literal["round_robin", "least_loaded", "least_tokens", "load_aware"]
-POLICY_NAMES: tuple[PolicyName, ...] = ("round_robin", "least_loaded", "least_tokens", "load_aware")
+PolicyName = Literal["round_robin", "least_loaded", "least_tokens", "load_aware", "cache_aware"]
+POLICY_NAMES: tuple[PolicyName, ...] = (
+    "round_robin",
+    "least_loaded",
+    "least_tokens",
+    "load_aware",
+    "cache_aware",
+)
 
 # Prompts shorter than this (in tokens) are prefilled on the decode instance itself
 # (conditional disaggregation; 0 disables). Measured on the 2-core CPU machine, 1P1D push

@@ -93,6 +93,7 @@ from pdserve.router.health import (
 from pdserve.router.load_model import Demand
 from pdserve.router.local_only import local_only_reason
 from pdserve.router.metrics import RouterMetrics
+from pdserve.router.prefix_index import prefix_chain
 from pdserve.router.prompt_size import (
     certainly_not_below,
     decode_tokens,
@@ -256,9 +257,10 @@ class Dispatcher:
         below = cfg.local_prefill_below
         if prompt is None and below > 0 and not certainly_not_below(call.body, below):
             prompt = await self._tokenize(call)
+        chain = prefix_chain(call.body) if cfg.policy == "cache_aware" else ()
         if prompt is None:
-            return Demand(estimated_prompt_tokens(call.body), decode), False
-        return Demand(prompt, decode), True
+            return Demand(estimated_prompt_tokens(call.body), decode, prefix=chain), False
+        return Demand(prompt, decode, prefix=chain), True
 
     async def _tokenize(self, call: Call) -> int | None:
         """The prompt length from a decode instance (the one that would prefill locally)."""

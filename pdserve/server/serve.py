@@ -108,6 +108,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=cc.block_size,
         help="tokens per KV block (default: %(default)s)",
     )
+    cache.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=cc.enable_prefix_caching,
+        help="reuse the KV of full blocks whose token prefix was computed before "
+        "(vLLM's flag; default: on, --no-enable-prefix-caching turns it off)",
+    )
     sched = parser.add_argument_group("scheduler")
     sched.add_argument(
         "--max-num-batched-tokens",
@@ -198,6 +205,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
         block_size=args.block_size,
         kv_cache_memory_gib=args.kv_cache_memory,
         num_blocks=args.num_kv_blocks,
+        enable_prefix_caching=args.enable_prefix_caching,
     )
     sched = SchedulerConfig(
         max_num_batched_tokens=args.max_num_batched_tokens,

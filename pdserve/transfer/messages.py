@@ -67,6 +67,9 @@ class PushRegistration(msgspec.Struct, tag=True, kw_only=True):
     reply_to: tuple[str, int]
     block_ids: list[int]
     num_tokens: int
+    # Prefix caching: D already holds the prompt's first `skip_blocks` blocks; `block_ids`
+    # receive P's blocks from that index on (0 from a D without caching or a hit).
+    skip_blocks: int = 0
 
 
 class PushDone(msgspec.Struct, tag=True, kw_only=True):
