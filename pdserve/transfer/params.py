@@ -91,6 +91,10 @@ def parse_kv_transfer_params(raw: Any) -> KVTransferParams:
         params = msgspec.convert(raw, KVTransferParams)
     except msgspec.ValidationError as exc:
         raise InvalidKVTransferParams(f"kv_transfer_params: {exc}") from None
+    except UnicodeEncodeError:  # msgspec encodes keys and enum values as UTF-8 to match them
+        raise InvalidKVTransferParams(
+            "kv_transfer_params: keys and values must be valid Unicode (no lone surrogates)"
+        ) from None
     validate(params)
     return params
 
