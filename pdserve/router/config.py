@@ -5,11 +5,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from pdserve.router.vllm_legs import PrefillPeer
 from pdserve.server.body_limit import MAX_BODY_BYTES
 
 TransferMode = Literal["pull", "push"]
 PolicyName = Literal["round_robin", "least_loaded", "least_tokens", "load_aware"]
 POLICY_NAMES: tuple[PolicyName, ...] = ("round_robin", "least_loaded", "least_tokens", "load_aware")
+# What the instances are: pdserve's (its kv_transfer_params, /kv/info, /load, signed legs,
+# releases) or vLLM's OpenAI servers (vLLM's params, passed through; pdserve.router.vllm_legs).
+InstanceEngine = Literal["pdserve", "vllm"]
+INSTANCE_ENGINES: tuple[InstanceEngine, ...] = ("pdserve", "vllm")
 
 # Prompts shorter than this (in tokens) are prefilled on the decode instance itself
 # (conditional disaggregation; 0 disables). Measured on the 2-core CPU machine, 1P1D push
@@ -30,6 +35,10 @@ class RouterConfig:
     decode_urls: tuple[str, ...]
     kv_transfer: TransferMode
     policy: PolicyName = "round_robin"
+    engine: InstanceEngine = "pdserve"
+    # vLLM prefill instances' connectors, one per prefill URL in order (push with
+    # `engine="vllm"` needs them: vLLM has no /kv/info to read them from); () : none known.
+    prefill_peers: tuple[PrefillPeer, ...] = ()
     host: str = "127.0.0.1"
     port: int = 8000
     # Checked on the client's requests and sent to the instances (one key for the cluster).
@@ -64,6 +73,10 @@ class RouterConfig:
             raise ValueError("ejected_stream_grace_s must be >= 0")
         if self.local_prefill_below < 0 or self.default_max_tokens < 1:
             raise ValueError("local_prefill_below must be >= 0, default_max_tokens >= 1")
+        if self.prefill_peers and len(self.prefill_peers) != len(self.prefill_urls):
+            raise ValueError("give one prefill peer per prefill URL, in the same order")
+        if self.engine == "vllm" and self.kv_transfer == "push" and not self.prefill_peers:
+            raise ValueError("push with vLLM instances needs every prefill instance's peer")
         if self.health_failures_to_eject < 1:
             raise ValueError("health_failures_to_eject must be at least 1")
 
