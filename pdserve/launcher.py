@@ -246,6 +246,16 @@ class ManagedProcess:
         """Not exited yet (reaps it if it has)."""
         return self.popen.poll() is None
 
+    def kill_leftovers(self) -> None:
+        """After it exited: SIGKILL what is left of a vLLM instance's session (its engine
+        core and worker). vLLM's engine core does not die with its API server, and a
+        leftover one would keep the side-channel port a restart needs. The child was started
+        as the leader of its own session, so its process group is the instance's own."""
+        if self.spec is None or self.spec.engine != "vllm" or self.alive():
+            return
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.pid, signal.SIGKILL)
+
     def log_tail(self, lines: int = _LOG_TAIL_LINES) -> str:
         """The last lines of its log file."""
         try:
@@ -339,6 +349,7 @@ class Cluster:
                 log.warning("%s (pid %d) ignored SIGTERM: killing it", p.name, p.pid)
                 p.popen.kill()
                 p.popen.wait()
+            p.kill_leftovers()
 
     def __enter__(self) -> Cluster:
         return self.start()
@@ -386,6 +397,7 @@ class Cluster:
         if old.alive():
             old.popen.kill()
         old.popen.wait()
+        old.kill_leftovers()
         if old is self.router:
             self.router = self._start_router(_port_of(old.url), restarts=old.restarts + 1)
             return self.router
