@@ -3,14 +3,26 @@ transfer configs and environments they build (no vLLM needed; tests/vllm/ runs t
 
 from __future__ import annotations
 
+import contextlib
+import importlib.metadata
 import json
+import os
+import signal
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from test_router_fake_instance import wait_for
 
 from pdserve.cli import parse_args
-from pdserve.launcher import InstanceSpec, config_from_args, prefill_peer, serve_command
+from pdserve.launcher import (
+    InstanceSpec,
+    ManagedProcess,
+    config_from_args,
+    prefill_peer,
+    serve_command,
+)
 from pdserve.vllm import serve as vllm_serve
 from pdserve.vllm.instance import (
     VllmInstanceConfig,
@@ -114,9 +126,9 @@ def test_find_vllm_python(tmp_path: Path) -> None:
 
 
 def test_find_vllm_python_without_a_venv_names_the_fix(tmp_path: Path) -> None:
-    try:
-        import vllm  # noqa: F401
-    except ImportError:
+    try:  # by metadata: tests/vllm on the test path would pass for the package
+        importlib.metadata.version("vllm")
+    except importlib.metadata.PackageNotFoundError:
         with pytest.raises(VllmNotFound, match="--vllm-python"):
             find_vllm_python(None, tmp_path)
     else:
@@ -163,3 +175,39 @@ def test_up_builds_vllm_instances_and_router_peers() -> None:
 def test_up_pdserve_engine_commands_are_unchanged() -> None:
     spec = InstanceSpec("decode", 0, "127.0.0.1", 8100, "pull", "tcp", None, None, ())
     assert "--engine" not in serve_command(spec)
+
+
+def _spec(engine: str) -> InstanceSpec:
+    return InstanceSpec("prefill", 0, "127.0.0.1", 1, "pull", "tcp", MODEL, None, (), 2,
+                        engine=engine)  # type: ignore[arg-type]  # fmt: skip
+
+
+@pytest.mark.parametrize("engine", ["vllm", "pdserve"])
+def test_leftovers_of_a_dead_vllm_instance_are_killed(tmp_path: Path, engine: str) -> None:
+    # A stand-in for vLLM's API server whose child (the engine core) outlives it.
+    pid_file = tmp_path / "child.pid"
+    script = f"sleep 300 & echo $! > {pid_file}; wait"
+    popen = subprocess.Popen(["sh", "-c", script], start_new_session=True)
+    proc = ManagedProcess("prefill-0", "prefill", "http://x", popen, None, tmp_path / "log")
+    proc.spec = _spec(engine)
+    try:
+        wait_for(lambda: pid_file.exists() and pid_file.read_text().strip())
+        child = int(pid_file.read_text())
+        popen.kill()
+        popen.wait()
+        proc.kill_leftovers()
+        if engine == "vllm":
+            wait_for(lambda: not _running(child))
+        else:
+            assert _running(child)  # pdserve's own engine process dies on its own (PDEATHSIG)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(popen.pid, signal.SIGKILL)
+
+
+def _running(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"

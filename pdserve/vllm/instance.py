@@ -180,8 +180,9 @@ def find_vllm_python(given: str | None, checkout: Path | None = None) -> str:
 
 
 def _imports_vllm(python: str) -> bool:
-    """Whether `python` can find the vllm package (without importing it: that takes seconds)."""
-    probe = "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"
+    """Whether `python` has the vllm distribution installed (without importing it: that takes
+    seconds; and by its metadata, which a folder called vllm on the path cannot fake)."""
+    probe = "import importlib.metadata as m; m.version('vllm')"
     try:
         return subprocess.run([python, "-c", probe], timeout=30, check=False).returncode == 0
     except (OSError, subprocess.TimeoutExpired):
