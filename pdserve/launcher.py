@@ -551,7 +551,7 @@ class Cluster:
         if c.router_log_level is not None:
             cmd += ["--log-level", c.router_log_level]
         if c.engine == "vllm":
-            cmd += ["--engine", "vllm", "--prefill-peer"]
+            cmd += ["--engine", "vllm", "--connector", c.connector, "--prefill-peer"]
             cmd += [prefill_peer(p.spec) for p in self.instances if p.role == "prefill" and p.spec]
         url = f"http://{_connect_host(c.host)}:{port}"
         cores = self._prefill_cores()

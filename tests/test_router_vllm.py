@@ -104,7 +104,12 @@ async def _chunks() -> Any:
 
 @contextmanager
 def vllm_router(
-    p: FakeVllm, d: FakeVllm, mode: str, peers: tuple[PrefillPeer, ...] = (), **config: Any
+    p: FakeVllm,
+    d: FakeVllm,
+    mode: str,
+    peers: tuple[PrefillPeer, ...] = (),
+    connector: str = "nixl",
+    **config: Any,
 ) -> Iterator[str]:
     from pdserve.router.app import create_app
 
@@ -113,6 +118,7 @@ def vllm_router(
         decode_urls=(d.url,),
         kv_transfer=mode,  # type: ignore[arg-type]
         engine="vllm",
+        connector=connector,  # type: ignore[arg-type]
         prefill_peers=peers,
         health_interval_s=0.05,
         local_prefill_below=0,
@@ -182,6 +188,23 @@ def test_two_push_requests_get_different_request_ids() -> None:
     assert len(set(ids)) == 2 and "a" not in ids
 
 
+def test_push_with_pdserves_connector_sends_d_what_p_returned() -> None:
+    # pdserve's connector inside vLLM: P answers with D's params in push mode too (P then
+    # writes into the blocks D registers), so D's leg follows P's answer, as in pull.
+    with (
+        FakeVllm("P") as p,
+        FakeVllm("D") as d,
+        vllm_router(p, d, "push", connector="pdserve") as r,
+    ):
+        resp = httpx.post(f"{r}/v1/completions", json={**PROMPT, "stream": True})
+        metrics = httpx.get(f"{r}/metrics").text
+    assert resp.status_code == 200
+    (p_body, _), (d_body, _) = p.completions[0], d.completions[0]
+    assert p_body["kv_transfer_params"] == {"do_remote_decode": True, "do_remote_prefill": False}
+    assert d_body["kv_transfer_params"] == p.returned[0]
+    assert 'pdserve_router_requests_total{mode="push",status="200"} 1.0' in metrics
+
+
 def test_decode_refusal_is_relayed_and_no_release_is_sent() -> None:
     with FakeVllm("P") as p, FakeVllm("D", fail_status=400) as d, vllm_router(p, d, "pull") as r:
         resp = httpx.post(f"{r}/v1/completions", json=PROMPT)
@@ -194,11 +217,13 @@ def test_decode_refusal_is_relayed_and_no_release_is_sent() -> None:
 def test_push_to_vllm_needs_a_peer_per_prefill_instance() -> None:
     base = {"prefill_urls": ("http://p",), "decode_urls": ("http://d",), "engine": "vllm"}
     with pytest.raises(ValueError, match="peer"):
-        RouterConfig(kv_transfer="push", **base)  # type: ignore[arg-type]
+        RouterConfig(kv_transfer="push", connector="nixl", **base)  # type: ignore[arg-type]
+    assert not RouterConfig(kv_transfer="push", **base).concurrent_legs  # type: ignore[arg-type]
     peer = PrefillPeer("p", "h", 1)
     with pytest.raises(ValueError, match="one prefill peer per prefill URL"):
         RouterConfig(kv_transfer="pull", prefill_peers=(peer, peer), **base)  # type: ignore[arg-type]
-    RouterConfig(kv_transfer="push", prefill_peers=(peer,), **base)  # type: ignore[arg-type]
+    config = RouterConfig(kv_transfer="push", connector="nixl", prefill_peers=(peer,), **base)  # type: ignore[arg-type]
+    assert config.concurrent_legs
 
 
 @pytest.mark.parametrize("text", ["p@h", "@h:1", "p@:1", "p@h:x", "ph:1"])

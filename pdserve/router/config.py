@@ -15,6 +15,9 @@ POLICY_NAMES: tuple[PolicyName, ...] = ("round_robin", "least_loaded", "least_to
 # releases) or vLLM's OpenAI servers (vLLM's params, passed through; pdserve.router.vllm_legs).
 InstanceEngine = Literal["pdserve", "vllm"]
 INSTANCE_ENGINES: tuple[InstanceEngine, ...] = ("pdserve", "vllm")
+# With vLLM instances: the KV connector they run (pdserve's inside vLLM, or vLLM's NIXL ones).
+VllmConnector = Literal["pdserve", "nixl"]
+VLLM_CONNECTORS: tuple[VllmConnector, ...] = ("pdserve", "nixl")
 
 # Prompts shorter than this (in tokens) are prefilled on the decode instance itself
 # (conditional disaggregation; 0 disables). Measured on the 2-core CPU machine, 1P1D push
@@ -36,6 +39,7 @@ class RouterConfig:
     kv_transfer: TransferMode
     policy: PolicyName = "round_robin"
     engine: InstanceEngine = "pdserve"
+    connector: VllmConnector = "pdserve"  # read only with engine "vllm"
     # vLLM prefill instances' connectors, one per prefill URL in order (push with
     # `engine="vllm"` needs them: vLLM has no /kv/info to read them from); () : none known.
     prefill_peers: tuple[PrefillPeer, ...] = ()
@@ -75,10 +79,19 @@ class RouterConfig:
             raise ValueError("local_prefill_below must be >= 0, default_max_tokens >= 1")
         if self.prefill_peers and len(self.prefill_peers) != len(self.prefill_urls):
             raise ValueError("give one prefill peer per prefill URL, in the same order")
-        if self.engine == "vllm" and self.kv_transfer == "push" and not self.prefill_peers:
-            raise ValueError("push with vLLM instances needs every prefill instance's peer")
+        if self.concurrent_legs and self.engine == "vllm" and not self.prefill_peers:
+            raise ValueError("NixlPushConnector instances need every prefill instance's peer")
         if self.health_failures_to_eject < 1:
             raise ValueError("health_failures_to_eject must be at least 1")
+
+    @property
+    def concurrent_legs(self) -> bool:
+        """Whether a request's P and D legs go out at once (push), D's naming P up front.
+        Otherwise D's leg follows P's answer and carries its params: pull, and push with
+        pdserve's connector inside vLLM, whose P answers with D's params in both modes
+        (P writes into D's blocks once D registers them)."""
+        vllm_sequential = self.engine == "vllm" and self.connector == "pdserve"
+        return self.kv_transfer == "push" and not vllm_sequential
 
 
 def normalize_url(url: str) -> str:

@@ -55,7 +55,9 @@ leg's params come from P: if they cannot even be parsed, P's answer is the 502.
 vLLM instances (`RouterConfig.engine == "vllm"`): the legs carry vLLM's params instead,
 and P's answer goes to D untouched (`pdserve.router.vllm_legs`); no signatures, no releases
 (vLLM has no /kv/release), and P's prefill-done time is when P's answer reached the router.
-A push request's two legs share a fresh `X-Request-Id`, by which vLLM pairs them.
+With pdserve's connector inside vLLM, push runs its legs as pull does (P's answer carries
+D's params in both modes); with NixlPushConnector a push request's two legs go out at once
+and share a fresh `X-Request-Id`, by which vLLM pairs them (`RouterConfig.concurrent_legs`).
 
 Both legs carry the client's `X-Request-Id` (or a new one) unchanged: P and D are separate
 engines and pair the transfer by `transfer_id`, so the shared id only joins their logs.
@@ -228,7 +230,7 @@ class Dispatcher:
             if self._no_prefill_left():
                 mode = "local_fallback"
                 return await self._local(call, demand, mode)
-            if mode == "pull":
+            if not self._config.concurrent_legs:
                 return await self._pull(call, demand)
             return await self._push(call, demand)
         except APIError as err:
@@ -270,7 +272,7 @@ class Dispatcher:
         """Whether requests must prefill on decode instances: none of prefill can take a P
         leg of this mode, but a decode instance is admitted. Logs each change."""
         pool = self._pool
-        push = self._config.kv_transfer == "push"
+        push = self._config.concurrent_legs
         gone = not pool.prefill_usable(push) and bool(pool.admitted("decode"))
         if gone != self._prefilling_locally:
             self._prefilling_locally = gone
@@ -344,7 +346,8 @@ class Dispatcher:
             raise
         self._observe_handoff(result, start.first_token_unix)
         hop(tid, "r.first_token", start.first_token_unix, rid=call.request_id)
-        return self._respond(call, "pull", d, d_leg, start, None, result.prefill_done_time)
+        mode = self._config.kv_transfer  # push too, with pdserve's connector inside vLLM
+        return self._respond(call, mode, d, d_leg, start, None, result.prefill_done_time)
 
     # -- push -----------------------------------------------------------------------------
 

@@ -15,6 +15,7 @@ from pdserve.router.config import (
     DEFAULT_LOCAL_PREFILL_BELOW,
     INSTANCE_ENGINES,
     POLICY_NAMES,
+    VLLM_CONNECTORS,
     RouterConfig,
     normalize_url,
 )
@@ -64,6 +65,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the instances' engine: pdserve, or vLLM's OpenAI server (vLLM's"
         " kv_transfer_params passed from P to D untouched; no /kv/info, /load or releases;"
         " docs/router.md) (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--connector",
+        choices=VLLM_CONNECTORS,
+        default="pdserve",
+        help="--engine vllm: the instances' KV connector: pdserve's (D's leg follows P's answer"
+        " in both modes) or vLLM's NIXL ones (NixlPushConnector: both legs at once)"
+        " (default: %(default)s)",
     )
     parser.add_argument(
         "--prefill-peer",
@@ -120,6 +129,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         kv_transfer=args.kv_transfer,
         policy=args.policy,
         engine=args.engine,
+        connector=args.connector,
         prefill_peers=tuple(args.prefill_peer),
         host=args.host,
         port=args.port,
