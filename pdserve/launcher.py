@@ -85,6 +85,7 @@ from pdserve.ports import EXIT_ADDRESS_IN_USE, free_ports, listens
 from pdserve.restarts import GiveUp, RestartPolicy
 from pdserve.router.config import POLICY_NAMES
 from pdserve.server.exposure import up_warning
+from pdserve.vllm.instance import CONNECTORS, ENGINES, Connector, Engine
 
 if TYPE_CHECKING:
     from pdserve.supervisor import Event, Supervisor
@@ -92,8 +93,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 InstanceRole = Literal["prefill", "decode", "both"]
-Engine = Literal["pdserve", "vllm"]
-Connector = Literal["pdserve", "nixl"]
 _LOG_TAIL_LINES = 30
 TOKEN_ENV = "PDSERVE_CLUSTER_TOKEN"  # what `pdserve serve` reads (pdserve.transfer.factory)
 TOKEN_FILE = "cluster-token"
@@ -705,14 +704,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--transport", choices=("tcp", "nixl"), default="tcp")
     parser.add_argument(
         "--engine",
-        choices=("pdserve", "vllm"),
+        choices=ENGINES,
         default="pdserve",
         help="the instances' engine: pdserve's, or vLLM's OpenAI server (needs a Hugging "
         "Face --model directory and a vLLM python) (default: %(default)s)",
     )
     parser.add_argument(
         "--connector",
-        choices=("pdserve", "nixl"),
+        choices=CONNECTORS,
         default="pdserve",
         help="--engine vllm: pdserve's KV transfer inside vLLM (with --transport), or vLLM's "
         "own NixlConnector (pull) / NixlPushConnector (push) (default: %(default)s)",

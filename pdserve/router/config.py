@@ -7,17 +7,11 @@ from typing import Literal
 
 from pdserve.router.vllm_legs import PrefillPeer
 from pdserve.server.body_limit import MAX_BODY_BYTES
+from pdserve.vllm.instance import Connector, Engine
 
 TransferMode = Literal["pull", "push"]
 PolicyName = Literal["round_robin", "least_loaded", "least_tokens", "load_aware"]
 POLICY_NAMES: tuple[PolicyName, ...] = ("round_robin", "least_loaded", "least_tokens", "load_aware")
-# What the instances are: pdserve's (its kv_transfer_params, /kv/info, /load, signed legs,
-# releases) or vLLM's OpenAI servers (vLLM's params, passed through; pdserve.router.vllm_legs).
-InstanceEngine = Literal["pdserve", "vllm"]
-INSTANCE_ENGINES: tuple[InstanceEngine, ...] = ("pdserve", "vllm")
-# With vLLM instances: the KV connector they run (pdserve's inside vLLM, or vLLM's NIXL ones).
-VllmConnector = Literal["pdserve", "nixl"]
-VLLM_CONNECTORS: tuple[VllmConnector, ...] = ("pdserve", "nixl")
 
 # Prompts shorter than this (in tokens) are prefilled on the decode instance itself
 # (conditional disaggregation; 0 disables). Measured on the 2-core CPU machine, 1P1D push
@@ -38,8 +32,11 @@ class RouterConfig:
     decode_urls: tuple[str, ...]
     kv_transfer: TransferMode
     policy: PolicyName = "round_robin"
-    engine: InstanceEngine = "pdserve"
-    connector: VllmConnector = "pdserve"  # read only with engine "vllm"
+    # What the instances are: pdserve's (its kv_transfer_params, /kv/info, /load, signed
+    # legs, releases) or vLLM's OpenAI servers (vLLM's params passed through; vllm_legs).
+    engine: Engine = "pdserve"
+    # With vLLM instances, the KV connector they run (pdserve's inside vLLM, or vLLM's NIXL).
+    connector: Connector = "pdserve"
     # vLLM prefill instances' connectors, one per prefill URL in order (push with
     # `engine="vllm"` needs them: vLLM has no /kv/info to read them from); () : none known.
     prefill_peers: tuple[PrefillPeer, ...] = ()

@@ -13,9 +13,7 @@ from pdserve.ports import EXIT_ADDRESS_IN_USE, bind_socket, is_address_in_use
 from pdserve.router.app import create_app
 from pdserve.router.config import (
     DEFAULT_LOCAL_PREFILL_BELOW,
-    INSTANCE_ENGINES,
     POLICY_NAMES,
-    VLLM_CONNECTORS,
     RouterConfig,
     normalize_url,
 )
@@ -24,6 +22,7 @@ from pdserve.server.exposure import router_warning
 from pdserve.server.http_protocol import HeaderDeadlineProtocol, quiet_polls
 from pdserve.server.serve import LISTEN_BACKLOG, UVICORN_LOOP
 from pdserve.transfer.release import TOKEN_ENV, token_from_env
+from pdserve.vllm.instance import CONNECTORS, ENGINES
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +59,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--engine",
-        choices=INSTANCE_ENGINES,
+        choices=ENGINES,
         default="pdserve",
         help="the instances' engine: pdserve, or vLLM's OpenAI server (vLLM's"
         " kv_transfer_params passed from P to D untouched; no /kv/info, /load or releases;"
@@ -68,7 +67,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--connector",
-        choices=VLLM_CONNECTORS,
+        choices=CONNECTORS,
         default="pdserve",
         help="--engine vllm: the instances' KV connector: pdserve's (D's leg follows P's answer"
         " in both modes) or vLLM's NIXL ones (NixlPushConnector: both legs at once)"

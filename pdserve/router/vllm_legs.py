@@ -7,8 +7,8 @@ them as opaque dicts and never rewrites what P returns.
 - Pull: P gets `{do_remote_decode: true, do_remote_prefill: false}` with `max_tokens=1`;
   the `kv_transfer_params` of P's answer go to D untouched.
 - Push with pdserve's connector: as pull (its P answers with D's params in both modes).
-- Push with NixlPushConnector: both legs at once, under one fresh `X-Request-Id` (vLLM's push pairs D's
-  registration with P's request by the id's base). D's params name P's connector (its
+- Push with NixlPushConnector: both legs at once, under one fresh `X-Request-Id` (vLLM's
+  push pairs D's registration with P's request by the id's base). D's params name P's connector (its
   engine id and side channel: `PrefillPeer`, from the router's configuration, since vLLM has
   no /kv/info), the transfer's shape (`tp_size`), and the fields vLLM 0.32's D scheduler
   reads even in push mode (`remote_request_id`, P's request id before vLLM's random suffix,

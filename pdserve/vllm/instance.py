@@ -36,6 +36,8 @@ import pdserve
 Role = Literal["both", "prefill", "decode"]
 Mode = Literal["pull", "push"]
 Connector = Literal["pdserve", "nixl"]
+Engine = Literal["pdserve", "vllm"]  # what runs an instance: pdserve's engine or vLLM
+ENGINES: tuple[Engine, ...] = ("pdserve", "vllm")
 Transport = Literal["tcp", "nixl"]
 CONNECTORS: tuple[Connector, ...] = ("pdserve", "nixl")
 API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"

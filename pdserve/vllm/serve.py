@@ -16,6 +16,7 @@ import sys
 from pdserve.ports import EXIT_ADDRESS_IN_USE, bind_socket, is_address_in_use
 from pdserve.vllm.instance import (
     CONNECTORS,
+    ENGINES,
     VllmInstanceConfig,
     VllmNotFound,
     command,
@@ -24,7 +25,6 @@ from pdserve.vllm.instance import (
 )
 
 log = logging.getLogger("pdserve.serve")
-ENGINES = ("pdserve", "vllm")
 API_KEY_ENV = "VLLM_API_KEY"  # vLLM's own; keeps the key off the logged command line
 
 
