@@ -4,7 +4,7 @@ transfer configs and environments they build (no vLLM needed; tests/vllm/ runs t
 from __future__ import annotations
 
 import contextlib
-import importlib.metadata
+import importlib.util
 import json
 import os
 import signal
@@ -23,6 +23,7 @@ from pdserve.launcher import (
     prefill_peer,
     serve_command,
 )
+from pdserve.vllm import instance
 from pdserve.vllm import serve as vllm_serve
 from pdserve.vllm.instance import (
     VllmInstanceConfig,
@@ -125,14 +126,24 @@ def test_find_vllm_python(tmp_path: Path) -> None:
     assert find_vllm_python(str(venv_python)) == str(venv_python)
 
 
-def test_find_vllm_python_without_a_venv_names_the_fix(tmp_path: Path) -> None:
-    try:  # by metadata: tests/vllm on the test path would pass for the package
-        importlib.metadata.version("vllm")
-    except importlib.metadata.PackageNotFoundError:
-        with pytest.raises(VllmNotFound, match="--vllm-python"):
-            find_vllm_python(None, tmp_path)
-    else:
-        assert find_vllm_python(None, tmp_path) == sys.executable
+def test_find_vllm_python_without_a_venv(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(instance, "_imports_vllm", lambda python: False)
+    with pytest.raises(VllmNotFound, match="--vllm-python"):
+        find_vllm_python(None, tmp_path)
+    monkeypatch.setattr(instance, "_imports_vllm", lambda python: python == sys.executable)
+    assert find_vllm_python(None, tmp_path) == sys.executable
+
+
+def test_the_vllm_probe_is_not_fooled_by_a_folder_called_vllm(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "vllm").mkdir()  # what tests/vllm is to a test run from tests/
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    has_vllm = importlib.util.find_spec("vllm") is not None and (
+        importlib.util.find_spec("vllm").origin is not None  # type: ignore[union-attr]
+    )
+    assert instance._imports_vllm(sys.executable) == has_vllm
 
 
 def test_serve_flags_map_onto_the_vllm_instance() -> None:

