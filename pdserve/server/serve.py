@@ -36,6 +36,7 @@ from pdserve.server import vllm_forms
 from pdserve.server.exposure import serve_warning
 from pdserve.server.http_protocol import HeaderDeadlineProtocol, quiet_polls
 from pdserve.transfer.factory import add_transfer_arguments
+from pdserve.vllm import serve as vllm_serve
 
 if TYPE_CHECKING:
     from pdserve.engine.handle import EngineHandle
@@ -177,6 +178,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "parameters: top_k, ignore_eos, stop_token_ids, kv_transfer_params."
     )
     add_transfer_arguments(parser)
+    vllm_serve.add_arguments(parser)
     vllm_forms.add_arguments(parser)
     parser.add_argument(
         "--config",
@@ -236,6 +238,8 @@ def main(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    if args.engine == "vllm":  # this process becomes the vLLM instance (pdserve.vllm)
+        return vllm_serve.main(args)
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # NIXL logs INFO to stdout otherwise
     engine_cfg, server_cfg = configs_from_args(args)
     if warning := serve_warning(args.role, args.host, args.kv_host, args.cluster_token):
