@@ -66,6 +66,9 @@ class PushRegistration(msgspec.Struct, tag=True, kw_only=True):
     reply_to: tuple[str, int]
     block_ids: list[int]
     num_tokens: int
+    # Index in P's block list of block_ids[0]: D's own prefix cache already held the blocks
+    # before it (the vLLM connector; pdserve's engine always registers from block 0).
+    first_block: int = 0
 
 
 class PushDone(msgspec.Struct, tag=True, kw_only=True):
