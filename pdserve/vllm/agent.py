@@ -96,6 +96,7 @@ class _PeerState:
     address: Address
     last_seen: float
     next_ping: float = 0.0
+    pongs: int = 0
 
 
 @dataclass(frozen=True)
@@ -157,7 +158,7 @@ class TransferAgent:
             token=token,
             advertise_host=cfg.advertise_host,
         )
-        self._dial = concurrent.futures.ThreadPoolExecutor(1, "pdserve-vllm-dial")
+        self._dial = concurrent.futures.ThreadPoolExecutor(4, "pdserve-vllm-dial")
         self._lock = threading.Lock()
         self._results = Results()
         self._stop = threading.Event()
@@ -171,6 +172,9 @@ class TransferAgent:
         self._sends: dict[str, _Send] = {}
         self._regs: dict[str, _Reg] = {}
         self._abort_acks: dict[str, Address] = {}  # P request -> D to ack once the write ends
+        self._claims: dict[str, tuple[m.PullClaim, float]] = {}  # claims ahead of the request
+        # requests D gave up on before vLLM handed them to us: freed as soon as they come
+        self._gone: dict[str, float] = {}
         self._threads = [
             threading.Thread(target=self._loop, name="pdserve-vllm-loop", daemon=True),
             threading.Thread(target=self._notif_loop, name="pdserve-vllm-notif", daemon=True),
@@ -243,6 +247,7 @@ class TransferAgent:
         deadlines = [r.deadline for r in self._recvs.values()]
         deadlines += [s.deadline for s in self._sends.values() if not s.writing]
         deadlines += [r.deadline for r in self._regs.values()]
+        deadlines += [deadline for _, deadline in self._claims.values()]
         if self._health:
             deadlines.append(time.monotonic() + self.cfg.heartbeat_s)
         if not deadlines:
@@ -491,6 +496,7 @@ class TransferAgent:
         health = self._health.get((msg.engine_id, msg.incarnation))
         if health is not None:
             health.last_seen = time.monotonic()
+            health.pongs += 1
         for key, h in self._health.items():
             if h.address == msg.address and key != (msg.engine_id, msg.incarnation):
                 h.last_seen = -1e9  # a new incarnation answers at that address: the old is gone
@@ -498,9 +504,15 @@ class TransferAgent:
     # -- P side -------------------------------------------------------------------------------
     def _on_send(self, spec: SendSpec) -> None:
         self._sends[spec.request_id] = _Send(spec, time.monotonic() + self.cfg.lease_s)
+        if self._gone.pop(spec.request_id, None) is not None:
+            self._sent(spec.request_id)
+            return
         reg = self._regs.pop(spec.request_id, None)
         if reg is not None:
             self._start_write(reg.msg)
+        claim = self._claims.get(spec.request_id)
+        if claim is not None:
+            self._on_claim(claim[0])
 
     def _on_hello(self, msg: m.Hello) -> None:
         error = self.compat.mismatch(msg.compat)
@@ -574,10 +586,18 @@ class TransferAgent:
         self._regs.pop(msg.transfer_id, None)
         if send is not None:
             self._sent(msg.transfer_id)
+        else:
+            self._gone[msg.transfer_id] = time.monotonic() + self.cfg.registration_grace_s
         self.side.send(msg.reply_to, m.PushAbortAck(transfer_id=msg.transfer_id))
 
     def _on_claim(self, msg: m.PullClaim) -> None:
         send = self._sends.get(msg.transfer_id)
+        if send is None and msg.transfer_id not in self._claims:
+            # D may claim before vLLM handed us the finished request (one step later)
+            deadline = time.monotonic() + self.cfg.registration_grace_s
+            self._claims[msg.transfer_id] = (msg, deadline)
+            return
+        self._claims.pop(msg.transfer_id, None)
         error = None
         if send is None:
             error = "P no longer holds this request's blocks (lease over or never held)"
@@ -592,7 +612,10 @@ class TransferAgent:
 
     def _on_pull_done(self, msg: m.PullDone) -> None:
         send = self._sends.get(msg.transfer_id)
-        if send is not None and send.claimed_by in (None, (msg.engine_id, msg.incarnation)):
+        if send is None:
+            self._claims.pop(msg.transfer_id, None)
+            self._gone[msg.transfer_id] = time.monotonic() + self.cfg.registration_grace_s
+        elif send.claimed_by in (None, (msg.engine_id, msg.incarnation)):
             self._sent(msg.transfer_id)
 
     # -- deadlines ----------------------------------------------------------------------------
@@ -601,6 +624,11 @@ class TransferAgent:
             if not send.writing and send.deadline <= now:
                 log.warning("pdserve vLLM connector: lease of %s ran out, freeing", rid)
                 self._sent(rid)
+        for tid in [t for t, deadline in self._gone.items() if deadline <= now]:
+            del self._gone[tid]
+        for claim, deadline in list(self._claims.values()):
+            if deadline <= now:
+                self._on_claim(claim)  # answered as unknown: P never had the request
         for tid, reg in list(self._regs.items()):
             if reg.deadline <= now:
                 del self._regs[tid]
@@ -618,7 +646,8 @@ class TransferAgent:
                 continue
             h = self._health[key]
             if now - h.last_seen > self.cfg.heartbeat_s * self.cfg.heartbeat_misses:
-                self._fence(key, f"prefill {key[0]}@{key[1][:8]} stopped answering")
+                silent = f"silent for {now - h.last_seen:.1f} s, {h.pongs} pongs before"
+                self._fence(key, f"prefill {key[0]}@{key[1][:8]} stopped answering ({silent})")
             elif now >= h.next_ping:
                 h.next_ping = now + self.cfg.heartbeat_s
                 self.side.send(h.address, m.Ping(reply_to=self.side.address))

@@ -33,8 +33,8 @@ class VllmConnectorConfig:
     registration_grace_s: float = 30.0  # P keeps a registration for an unknown request this long
     recv_timeout_s: float = 120.0  # D fails a receive that has not completed after this
     handshake_timeout_s: float = 10.0
-    heartbeat_s: float = 0.5  # D pings every P it waits on this often
-    heartbeat_misses: int = 6  # a P silent this many periods is declared dead
+    heartbeat_s: float = 1.0  # D pings every P it waits on this often
+    heartbeat_misses: int = 10  # a P silent this many periods is declared dead
     transfer_timeout_s: float = 10.0  # a transfer to a silent peer errors after this
 
     @classmethod
