@@ -346,16 +346,16 @@ class TransferAgent:
         )
         try:
             reply = self.side.request(address, hello, self.cfg.handshake_timeout_s)
-        except TimeoutError:
-            return _Dialed(key, None, f"no handshake reply from {address} in time")
+        except Exception as exc:  # TimeoutError, or the channel closing under us
+            return _Dialed(key, None, f"no handshake reply from {address}: {exc!r}")
         if not isinstance(reply, m.HelloReply) or reply.error:
             return _Dialed(key, None, f"handshake refused: {getattr(reply, 'error', reply)}")
         if (reply.engine_id, reply.incarnation) != key:
             return _Dialed(key, None, f"{address} is now {reply.engine_id}@{reply.incarnation}")
         try:
             return _Dialed(key, self.transport.add_peer(reply.transport_metadata), None)
-        except TransportError as exc:
-            return _Dialed(key, None, f"transport handshake failed: {exc}")
+        except Exception as exc:  # TransportError, or a stalled socket: the request fails
+            return _Dialed(key, None, f"transport handshake failed: {exc!r}")
 
     def _on_dialed(self, ev: _Dialed) -> None:
         self._dialing.discard(ev.key)
@@ -403,8 +403,8 @@ class TransferAgent:
         )
         try:
             reply = self.side.request(spec.remote_address, claim, self.cfg.handshake_timeout_s)
-        except TimeoutError:
-            return _Claimed(spec.request_id, "no claim reply in time")
+        except Exception as exc:  # TimeoutError, or the channel closing under us
+            return _Claimed(spec.request_id, f"no claim reply: {exc!r}")
         error = getattr(reply, "error", "unexpected reply")
         return _Claimed(spec.request_id, error)
 

@@ -32,10 +32,10 @@ class VllmConnectorConfig:
     lease_s: float = 60.0  # P frees finished blocks no D claimed after this
     registration_grace_s: float = 30.0  # P keeps a registration for an unknown request this long
     recv_timeout_s: float = 120.0  # D fails a receive that has not completed after this
-    handshake_timeout_s: float = 10.0
-    heartbeat_s: float = 1.0  # D pings every P it waits on this often
+    handshake_timeout_s: float = 30.0
+    heartbeat_s: float = 2.0  # D pings every P it waits on this often
     heartbeat_misses: int = 10  # a P silent this many periods is declared dead
-    transfer_timeout_s: float = 10.0  # a transfer to a silent peer errors after this
+    transfer_timeout_s: float = 30.0  # a transfer to a silent peer errors after this
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> VllmConnectorConfig:

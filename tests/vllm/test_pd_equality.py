@@ -28,6 +28,7 @@ NUM_PROMPTS = 24
 MAX_TOKENS = 12
 CONCURRENCY = 4
 TRANSPORT = "tcp"
+pytestmark = pytest.mark.timeout(1800)
 
 
 class Cluster:
