@@ -168,6 +168,7 @@ class TransferAgent:
         self._peers: dict[PeerKey, PeerId] = {}
         self._dialing: set[PeerKey] = set()
         self._health: dict[PeerKey, _PeerState] = {}
+        self._last_beat = time.monotonic()
         # P state
         self._sends: dict[str, _Send] = {}
         self._regs: dict[str, _Reg] = {}
@@ -639,6 +640,13 @@ class TransferAgent:
                 self._fence(self._key(recv.spec), f"no KV after {self.cfg.recv_timeout_s} s")
 
     def _heartbeat(self, now: float) -> None:
+        # Time this thread itself did not run (a starved process on a loaded host) is not
+        # P's silence: its pongs may sit in our queue. Credit it to every P.
+        stalled = now - self._last_beat - 2 * self.cfg.heartbeat_s
+        self._last_beat = now
+        if stalled > 0:
+            for h in self._health.values():
+                h.last_seen += stalled
         waited = {self._key(r.spec) for r in self._recvs.values()}
         for key in list(self._health):
             if key not in waited:

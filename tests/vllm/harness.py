@@ -24,6 +24,13 @@ from pdserve.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 STARTUP_TIMEOUT_S = 600.0
+# Small KV pool; one unpinned compute thread per server: several servers share a few cores
+# in CI, and vLLM's default binding puts every server's threads on the same cores.
+QUIET_ENV = {
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    "OMP_NUM_THREADS": "1",
+}
 
 
 def write_checkpoint(out: Path) -> Path:
@@ -88,7 +95,7 @@ class VllmServer:
         cmd += ["--max-model-len", "4096", "--enforce-eager", "--seed", "0"]
         if self.kv_config:
             cmd += ["--kv-transfer-config", self.kv_config]
-        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": str(REPO)}
+        env = {**os.environ, **QUIET_ENV, "PYTHONPATH": str(REPO)}
         with open(self.log, "ab") as out:
             self.proc = subprocess.Popen(
                 cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
