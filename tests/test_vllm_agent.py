@@ -15,12 +15,34 @@ import torch
 
 from pdserve.ports import free_port
 from pdserve.transfer import messages as m
+from pdserve.transfer.transport import BackendUnavailableError
+from pdserve.transfer.transport.nixl_peer import load_nixl
 from pdserve.vllm.agent import Results, TransferAgent
 from pdserve.vllm.config import VllmConnectorConfig
 from pdserve.vllm.layout import KVLayout
 from pdserve.vllm.specs import RecvSpec, SendSpec
 
 NUM_BLOCKS, LAYERS = 16, 2
+
+
+def _nixl_available() -> bool:
+    try:
+        load_nixl()
+    except BackendUnavailableError:
+        return False
+    return True
+
+
+TRANSPORTS = [
+    "tcp",
+    pytest.param(
+        "nixl",
+        marks=[
+            pytest.mark.nixl,
+            pytest.mark.skipif(not _nixl_available(), reason="nixl not installed"),
+        ],
+    ),
+]
 
 
 def caches(fill: float | None) -> dict[str, torch.Tensor]:
@@ -62,11 +84,14 @@ def wait_results(agent: TransferAgent, want: str, rid: str, timeout_s: float = 2
     raise AssertionError(f"{rid} not in {want} after {timeout_s} s: {got}")
 
 
-@pytest.fixture
-def pair() -> Iterator[tuple[TransferAgent, TransferAgent, dict, dict]]:
+@pytest.fixture(params=TRANSPORTS)
+def pair(
+    request: pytest.FixtureRequest,
+) -> Iterator[tuple[TransferAgent, TransferAgent, dict, dict]]:
     p_kv, d_kv = caches(None), caches(0.0)
-    p = make_agent("P", p_kv, heartbeat_s=0.2, heartbeat_misses=5)
-    d = make_agent("D", d_kv, heartbeat_s=0.2, heartbeat_misses=5)
+    conf = {"heartbeat_s": 0.2, "heartbeat_misses": 5, "transport": request.param}
+    p = make_agent("P", p_kv, **conf)
+    d = make_agent("D", d_kv, **conf)
     yield p, d, p_kv, d_kv
     p.close()
     d.close()
