@@ -20,7 +20,7 @@ from pdserve.transfer.transport.nixl_peer import load_nixl
 from pdserve.vllm.agent import Results, TransferAgent
 from pdserve.vllm.config import VllmConnectorConfig
 from pdserve.vllm.layout import KVLayout
-from pdserve.vllm.specs import RecvSpec, SendSpec
+from pdserve.vllm.specs import RecvSpec, ReleaseSpec, SendSpec
 
 NUM_BLOCKS, LAYERS = 16, 2
 
@@ -132,6 +132,13 @@ def test_blocks_arrive_and_both_sides_give_them_back(pair, mode: str, p_first: b
         for s, t in zip(src[1:], dst[1:], strict=True):
             assert torch.equal(d_kv[name][t], p_kv[name][s])
         assert not d_kv[name][dst[0]].any()  # block 0 was D's own prefix: untouched
+
+
+def test_release_frees_prefill_blocks_d_will_not_load(pair) -> None:
+    p, d, _, _ = pair
+    p.send(SendSpec(request_id="p-req", block_ids=[2], num_tokens=1))
+    d.release(ReleaseSpec(remote_request_id="p-req", remote_address=p.side.address))
+    wait_results(p, "finished_sending", "p-req", timeout_s=5)
 
 
 def test_lost_prefill_fails_the_receive(pair) -> None:

@@ -44,7 +44,7 @@ from pdserve.transfer.transport import (
 )
 from pdserve.vllm.config import VllmConnectorConfig
 from pdserve.vllm.layout import KVLayout
-from pdserve.vllm.specs import RecvSpec, SendSpec
+from pdserve.vllm.specs import RecvSpec, ReleaseSpec, SendSpec
 
 log = logging.getLogger(__name__)
 Address = tuple[str, int]
@@ -188,6 +188,16 @@ class TransferAgent:
     def recv(self, spec: RecvSpec) -> None:
         """D: start getting the KV of `spec` (blocks lent until finished_recving)."""
         self._events.put(spec)
+
+    def release(self, spec: ReleaseSpec) -> None:
+        """D: tell P to free what it holds for a request we will not load."""
+        msg = m.PullDone(
+            transfer_id=spec.remote_request_id,
+            ok=False,
+            engine_id=self.me.engine_id,
+            incarnation=self.me.incarnation,
+        )
+        self.side.send(spec.remote_address, msg)
 
     def send(self, spec: SendSpec) -> None:
         """P: `spec`'s blocks are ours until finished_sending."""

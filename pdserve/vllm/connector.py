@@ -25,7 +25,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from pdserve.vllm.config import VllmConnectorConfig
 from pdserve.vllm.scheduler import SchedulerSide
-from pdserve.vllm.specs import RecvSpec, SendSpec, WorkerCard
+from pdserve.vllm.specs import RecvSpec, ReleaseSpec, SendSpec, WorkerCard
 from pdserve.vllm.worker import WorkerSide
 
 if TYPE_CHECKING:
@@ -53,6 +53,7 @@ class PdserveConnectorMetadata(KVConnectorMetadata):
 
     recvs: list[RecvSpec]
     sends: list[SendSpec]
+    releases: list[ReleaseSpec]
 
 
 @dataclasses.dataclass
@@ -96,7 +97,7 @@ class PdserveConnector(KVConnectorBase_V1):
         assert self._worker is not None
         meta = self._get_connector_metadata()
         assert isinstance(meta, PdserveConnectorMetadata)
-        self._worker.step(meta.recvs, meta.sends)
+        self._worker.step(meta.recvs, meta.sends, meta.releases)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads are asynchronous: a request runs only once all its KV arrived
@@ -162,8 +163,7 @@ class PdserveConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self._sched is not None
-        recvs, sends = self._sched.take()
-        return PdserveConnectorMetadata(recvs, sends)
+        return PdserveConnectorMetadata(*self._sched.take())
 
     def request_finished(
         self, request: Request, block_ids: list[int]

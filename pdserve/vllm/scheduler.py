@@ -24,7 +24,7 @@ from pdserve.vllm.params import (
     requested_mode,
     wants_remote_decode,
 )
-from pdserve.vllm.specs import RecvSpec, SendSpec, WorkerCard
+from pdserve.vllm.specs import RecvSpec, ReleaseSpec, SendSpec, WorkerCard
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +39,7 @@ class SchedulerSide:
         self.worker: WorkerCard | None = None  # set once the worker registered its caches
         self._recvs: list[RecvSpec] = []
         self._sends: list[SendSpec] = []
+        self._releases: list[ReleaseSpec] = []
 
     def num_matched(
         self, request_id: str, params: dict[str, Any] | None, num_prompt: int, num_computed: int
@@ -63,10 +64,16 @@ class SchedulerSide:
         num_external: int,
     ) -> None:
         """D: vLLM reserved `block_ids` for the request; hand the receive to the worker."""
-        if num_external <= 0:
+        try:
+            remote = remote_prefill(params)
+        except ValueError:  # num_matched logged it; computed locally
             return
-        remote = remote_prefill(params)
-        assert remote is not None  # num_matched accepted these params
+        if remote is None:
+            return
+        if num_external <= 0:  # vLLM computes the prompt itself: P's hold is not needed
+            self._release_unused(params)
+            return
+        params["do_remote_prefill"] = False  # type: ignore[index]  # not again on preemption
         first = (num_prompt - num_external) // self.block_size
         last = math.ceil(num_prompt / self.block_size)
         spec = RecvSpec(
@@ -82,7 +89,6 @@ class SchedulerSide:
             num_tokens=num_prompt,
         )
         self._recvs.append(spec)
-        params["do_remote_prefill"] = False  # type: ignore[index]  # not again on preemption
 
     def request_finished(
         self,
@@ -92,7 +98,11 @@ class SchedulerSide:
         num_computed: int,
         finished_ok: bool,
     ) -> tuple[bool, dict[str, Any] | None]:
-        """P: keep the blocks for D (True) and return D's params; otherwise vLLM frees."""
+        """P: keep the blocks for D (True) and return D's params; otherwise vLLM frees.
+
+        D: a request that ends before vLLM allocated its blocks (client gone while queued)
+        still has P holding its KV: release it."""
+        self._release_unused(params)
         if not wants_remote_decode(params) or not finished_ok or not block_ids:
             return False, None
         if self.worker is None:
@@ -113,8 +123,21 @@ class SchedulerSide:
         )
         return True, remote.to_dict()
 
-    def take(self) -> tuple[list[RecvSpec], list[SendSpec]]:
+    def _release_unused(self, params: dict[str, Any] | None) -> None:
+        try:
+            remote = remote_prefill(params)
+        except ValueError:
+            return
+        if remote is not None:
+            params["do_remote_prefill"] = False  # type: ignore[index]
+            address = (remote.remote_host, remote.remote_port)
+            release = ReleaseSpec(
+                remote_request_id=remote.remote_request_id, remote_address=address
+            )
+            self._releases.append(release)
+
+    def take(self) -> tuple[list[RecvSpec], list[SendSpec], list[ReleaseSpec]]:
         """This step's work for the worker (vLLM calls build_connector_meta once a step)."""
-        recvs, sends = self._recvs, self._sends
-        self._recvs, self._sends = [], []
-        return recvs, sends
+        out = self._recvs, self._sends, self._releases
+        self._recvs, self._sends, self._releases = [], [], []
+        return out

@@ -26,6 +26,14 @@ class RecvSpec(msgspec.Struct, frozen=True, kw_only=True):
     num_tokens: int
 
 
+class ReleaseSpec(msgspec.Struct, frozen=True, kw_only=True):
+    """D: vLLM will not load this request's KV after all (e.g. a one-token prompt, which it
+    recomputes anyway): tell P to free the blocks it holds for us now, not at lease end."""
+
+    remote_request_id: str
+    remote_address: tuple[str, int]
+
+
 class SendSpec(msgspec.Struct, frozen=True, kw_only=True):
     """P: request `request_id` finished its prefill; vLLM keeps `block_ids` for us until we
     report it in finished_sending (after the write, D's PullDone, an abort or the lease)."""

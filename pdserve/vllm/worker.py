@@ -10,7 +10,7 @@ from pdserve.transfer import messages as m
 from pdserve.vllm.agent import Results, TransferAgent
 from pdserve.vllm.config import VllmConnectorConfig
 from pdserve.vllm.layout import KVLayout
-from pdserve.vllm.specs import RecvSpec, SendSpec, WorkerCard
+from pdserve.vllm.specs import RecvSpec, ReleaseSpec, SendSpec, WorkerCard
 
 log = logging.getLogger(__name__)
 
@@ -53,8 +53,12 @@ class WorkerSide:
         me = self.agent.me
         return WorkerCard(engine_id=me.engine_id, incarnation=me.incarnation)
 
-    def step(self, recvs: list[RecvSpec], sends: list[SendSpec]) -> None:
+    def step(
+        self, recvs: list[RecvSpec], sends: list[SendSpec], releases: list[ReleaseSpec]
+    ) -> None:
         assert self.agent is not None
+        for release in releases:
+            self.agent.release(release)
         for spec in sends:
             self.agent.send(spec)
         for spec in recvs:

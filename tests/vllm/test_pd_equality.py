@@ -93,9 +93,11 @@ def test_pd_equals_monolithic(cluster: Cluster, mode: str) -> None:
     mismatched = [i for i, (a, b) in enumerate(zip(pd, mono, strict=True)) if a != b]
     assert not mismatched, [(len(ps[i]), pd[i], mono[i]) for i in mismatched[:3]]
     assert all(len(t) == MAX_TOKENS for t in pd)
-    # Every prompt token reached D through the connector (random prompts share no prefix)
+    # Every prompt token reached D through the connector (random prompts share no prefix),
+    # except a one-token prompt's: vLLM recomputes a prompt's last token anyway, so it loads
+    # nothing for it (and the connector tells P to free its blocks at once).
     after = cluster.d.metric("vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
-    assert after - before == sum(len(p) for p in ps)
+    assert after - before == sum(len(p) for p in ps if len(p) > 1)
     # Nothing leaked: both sides give every block back
     assert cluster.p.wait_kv_usage_zero() == 0
     assert cluster.d.wait_kv_usage_zero() == 0

@@ -44,7 +44,8 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
     tmp = tmp_path_factory.mktemp("vllm-fail")
     model = write_checkpoint(tmp / "ckpt")
     p = VllmServer("prefill", model, tmp, connector_config("push", free_port(), lease_s=LEASE_S))
-    d = VllmServer("decode", model, tmp, connector_config("push", free_port()))
+    quick = {"heartbeat_s": 1.0, "heartbeat_misses": 10, "handshake_timeout_s": 15.0}
+    d = VllmServer("decode", model, tmp, connector_config("push", free_port(), **quick))
     start_all([p, d])
     try:
         yield Pair(p, d)
