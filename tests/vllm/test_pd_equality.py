@@ -11,11 +11,14 @@ from __future__ import annotations
 import asyncio
 import random
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
 
 from pdserve.ports import free_port
+from pdserve.transfer.transport import BackendUnavailableError
+from pdserve.transfer.transport.nixl_peer import load_nixl
 from tests.vllm.harness import (
     VllmServer,
     connector_config,
@@ -30,7 +33,6 @@ pytestmark = pytest.mark.timeout(2400)
 NUM_PROMPTS = 24
 MAX_TOKENS = 12
 CONCURRENCY = 4
-TRANSPORT = "tcp"
 SEEDS = {"push": 1, "pull": 2}
 
 
@@ -39,6 +41,26 @@ def prompts(seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     lengths = [1, 2000] + [rng.randint(2, 1999) for _ in range(NUM_PROMPTS - 2)]
     return [[rng.randrange(3, 250) for _ in range(n)] for n in lengths]
+
+
+def _nixl_available() -> bool:
+    try:
+        load_nixl()
+    except BackendUnavailableError:
+        return False
+    return True
+
+
+TRANSPORTS = [
+    "tcp",
+    pytest.param(
+        "nixl",
+        marks=[
+            pytest.mark.nixl,
+            pytest.mark.skipif(not _nixl_available(), reason="nixl not installed"),
+        ],
+    ),
+]
 
 
 class Cluster:
@@ -61,7 +83,8 @@ async def run_pd(c: Cluster, ps: list[list[int]], mode: str) -> list:
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, list]]:
+    """The checkpoint, and the monolithic instance's answers to every prompt set."""
     tmp = tmp_path_factory.mktemp("vllm-eq")
     model = write_checkpoint(tmp / "ckpt")
     mono = VllmServer("mono", model, tmp, None)
@@ -70,9 +93,19 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         expected = {mode: asyncio.run(run_mono(mono, prompts(s))) for mode, s in SEEDS.items()}
     finally:
         mono.stop()
-    conf = {"transport": TRANSPORT}
-    p = VllmServer("prefill", model, tmp, connector_config("push", free_port(), **conf))
-    d = VllmServer("decode", model, tmp, connector_config("push", free_port(), **conf))
+    return model, expected
+
+
+@pytest.fixture(scope="module", params=TRANSPORTS)
+def cluster(
+    request: pytest.FixtureRequest, reference: tuple[Path, dict[str, list]]
+) -> Iterator[Cluster]:
+    model, expected = reference
+    tmp = model.parent
+    conf = {"transport": request.param}
+    name = request.param
+    p = VllmServer(f"prefill-{name}", model, tmp, connector_config("push", free_port(), **conf))
+    d = VllmServer(f"decode-{name}", model, tmp, connector_config("push", free_port(), **conf))
     start_all([p, d])
     try:
         yield Cluster(p, d, expected)
