@@ -88,6 +88,23 @@ def test_client_disconnect_mid_stream_frees_both_sides(pair: Pair) -> None:
     assert pair.p.wait_kv_usage_zero() == 0
 
 
+def test_client_disconnect_while_waiting_for_kv_frees_both_sides(pair: Pair) -> None:
+    """D waits on a transfer P cannot serve yet (P keeps the registration for its grace);
+    the client hangs up: D aborts it with P, and vLLM gets D's blocks back."""
+
+    async def run() -> None:
+        async with httpx.AsyncClient(timeout=300) as client:
+            kv = await prefill(client, pair.p, prompt(3), "push")
+            kv = {**kv, "remote_request_id": "no-such-request"}  # P will not write it soon
+            req = body(pair.d.model, prompt(3), 8, kv_transfer_params=kv)
+            with pytest.raises(httpx.ReadTimeout):
+                await client.post(f"{pair.d.url}/v1/completions", json=req, timeout=5)
+
+    asyncio.run(run())
+    assert pair.d.wait_kv_usage_zero() == 0
+    assert pair.p.wait_kv_usage_zero(LEASE_S + 60) == 0
+
+
 async def timed(coro) -> tuple[float, object]:
     t = time.monotonic()
     try:
