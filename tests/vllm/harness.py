@@ -8,6 +8,7 @@ engine core and worker too and nothing else. Every port is a free one on 127.0.0
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import os
 import re
@@ -19,10 +20,33 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 
 from pdserve.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
+
+
+def _has_vllm() -> bool:
+    """vLLM's server module is importable (a bare `vllm` could be this tests folder, which
+    pytest's path insertion makes look like a namespace package)."""
+    try:
+        return importlib.util.find_spec("vllm.entrypoints.openai.api_server") is not None
+    except ImportError:
+        return False
+
+
+HAS_VLLM = _has_vllm()
+# Every module here carries these: the vllm marker, and a clear skip where vLLM is missing
+VLLM_MARKS = [
+    pytest.mark.vllm,
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        not HAS_VLLM,
+        reason="vLLM is not installed in this interpreter: build it with `make venv-vllm` "
+        "and run `.venv-vllm/bin/python -m pytest -o addopts= tests/vllm`",
+    ),
+]
 STARTUP_TIMEOUT_S = 600.0
 # Small KV pool; one unpinned compute thread per server: several servers share a few cores
 # in CI, and vLLM's default binding puts every server's threads on the same cores.

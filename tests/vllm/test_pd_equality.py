@@ -20,6 +20,7 @@ from pdserve.ports import free_port
 from pdserve.transfer.transport import BackendUnavailableError
 from pdserve.transfer.transport.nixl_peer import load_nixl
 from tests.vllm.harness import (
+    VLLM_MARKS,
     VllmServer,
     connector_config,
     gather_limited,
@@ -29,7 +30,7 @@ from tests.vllm.harness import (
     write_checkpoint,
 )
 
-pytestmark = pytest.mark.timeout(2400)
+pytestmark = [*VLLM_MARKS, pytest.mark.timeout(2400)]
 NUM_PROMPTS = 24
 MAX_TOKENS = 12
 CONCURRENCY = 4

@@ -18,6 +18,7 @@ import pytest
 
 from pdserve.ports import free_port
 from tests.vllm.harness import (
+    VLLM_MARKS,
     PdError,
     VllmServer,
     body,
@@ -29,7 +30,7 @@ from tests.vllm.harness import (
     write_checkpoint,
 )
 
-pytestmark = pytest.mark.timeout(1800)
+pytestmark = [*VLLM_MARKS, pytest.mark.timeout(1800)]
 LEASE_S = 8.0
 END_WITHIN_S = 60.0
 
