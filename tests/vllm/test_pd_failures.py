@@ -115,22 +115,24 @@ async def timed(coro) -> tuple[float, object]:
     return time.monotonic() - t, out
 
 
-def test_kill_prefill_mid_transfer_then_restart(pair: Pair) -> None:
-    before = prompt(10, 700)
+@pytest.mark.parametrize("mode", ["push", "pull"])
+def test_kill_prefill_mid_transfer_then_restart(pair: Pair, mode: str) -> None:
+    seed = {"push": 10, "pull": 40}[mode]
+    before = prompt(seed, 700)
 
     async def run_before() -> list[int]:
         async with httpx.AsyncClient(timeout=300) as client:
-            return await pd_generate(client, pair.p, pair.d, before, 8, "push")
+            return await pd_generate(client, pair.p, pair.d, before, 8, mode)
 
     reference = asyncio.run(run_before())
 
     async def kill_under_load() -> tuple[list, list]:
         async with httpx.AsyncClient(timeout=300) as client:
-            ps = [prompt(20 + i) for i in range(6)]
-            params = [await prefill(client, pair.p, p, "push") for p in ps[:3]]
+            ps = [prompt(seed + 10 + i) for i in range(6)]
+            params = [await prefill(client, pair.p, p, mode) for p in ps[:3]]
             # in flight: D legs posted, P killed while they register and P writes
             flying = [
-                asyncio.ensure_future(timed(pd_generate(client, pair.p, pair.d, p, 8, "push")))
+                asyncio.ensure_future(timed(pd_generate(client, pair.p, pair.d, p, 8, mode)))
                 for p in ps[3:]
             ]
             flying += [
@@ -160,7 +162,7 @@ def test_kill_prefill_mid_transfer_then_restart(pair: Pair) -> None:
 
     async def run_after() -> list[int]:
         async with httpx.AsyncClient(timeout=300) as client:
-            return await pd_generate(client, pair.p, pair.d, before, 8, "push")
+            return await pd_generate(client, pair.p, pair.d, before, 8, mode)
 
     assert asyncio.run(run_after()) == reference
     assert pair.d.wait_kv_usage_zero() == 0
