@@ -539,7 +539,10 @@ class TransferAgent:
         self.side.send(msg.reply_to, reply)
 
     def _on_registration(self, msg: m.PushRegistration) -> None:
-        if msg.transfer_id in self._sends:
+        send = self._sends.get(msg.transfer_id)
+        if send is not None and send.writing:
+            return  # a duplicate: the blocks are already on their way
+        if send is not None:
             self._start_write(msg)
         else:  # P's scheduler has not handed us the request yet (or never will)
             deadline = time.monotonic() + self.cfg.registration_grace_s

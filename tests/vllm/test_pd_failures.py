@@ -1,9 +1,10 @@
 """PdserveConnector failure behaviour in real vLLM: nothing hangs, no block leaks.
 
-One P and one D (push) serve the module, in this order: a P leg nobody decodes (P's lease
-frees it), a client that hangs up mid-stream (both sides free), then kill -9 of P with
-decode legs in flight and waiting (each ends, with an error, well within 60 s; D's KV usage
-returns to 0) and a restarted P (requests succeed again, same tokens as before).
+One P and one D serve the module, in this order: a P leg nobody decodes (P's lease frees
+it), a client that hangs up mid-stream (both sides free), a client that hangs up while D
+waits for KV (D aborts with P; both sides free), then, in push and in pull mode, kill -9 of
+P with decode legs in flight and waiting (each ends well within 60 s, the waiting ones with
+an error; D's KV usage returns to 0) and a restarted P (same tokens as before the kill).
 """
 
 from __future__ import annotations
