@@ -17,6 +17,7 @@ import pytest
 from pdserve.config import ModelConfig
 from pdserve.engine.types import EngineRequest, FinishReason, SamplingParams
 from pdserve.model.loader import load_model
+from pdserve.transfer.adapter import Quarantine
 from tests.pd_harness import Pair, greedy_tokens, make_engine, unreachable_push_params
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -180,7 +181,7 @@ def test_push_fencing_blocks_stay_quarantined_until_p_acknowledges(pair_factory)
     pair.run_until(lambda: pair.finished("r"), timeout=5.0, only=pair.d)
     assert pair.finished("r").finish_reason is FinishReason.ERROR
     fenced = {
-        b for b in range(pair.d.pool.num_blocks) if pair.d.pool.owner_of(b) == f"quarantine:{tid}"
+        b for b in range(pair.d.pool.num_blocks) if pair.d.pool.owner_of(b) == Quarantine(tid)
     }
     assert fenced == reserved  # not back in the free queue
     # A new request on D in the meantime never receives a fenced block.

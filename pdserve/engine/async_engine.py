@@ -137,8 +137,7 @@ class AsyncEngine:
 
     def peer_num_blocks(self, engine_id: str, incarnation: str) -> int | None:
         c = self.engine.connector
-        peer = c.known_peer(engine_id, incarnation) if c is not None else None
-        return peer.num_blocks if peer is not None else None
+        return c.remote_num_blocks(engine_id, incarnation) if c is not None else None
 
     def check_params(self, params: KVTransferParams) -> None:
         if self.engine.connector is not None:

@@ -202,7 +202,7 @@ class Core:
     def snapshot(self) -> Snapshot:
         """The live state the front end reads (pdserve.engine.handle)."""
         c = self.engine.connector
-        in_use = [*c.holds, *c.quarantine, *c.receiving] if c is not None else []
+        in_use = c.transfers_in_use() if c is not None else []
         return Snapshot(
             stats=self.engine.stats(),
             live=self.engine.live_requests(),

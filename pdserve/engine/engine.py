@@ -3,8 +3,12 @@
     step():  schedule -> run the model -> append sampled tokens -> emit outputs
 
 Ownership: the engine owns the block pool, the KV cache and the scheduler. A request's
-blocks are freed exactly once, by `Scheduler.finish`, when it finishes, is aborted or
-fails. `check_integrity()` verifies the pool (tests call it after every scenario).
+blocks are freed exactly once: by `Scheduler.finish`, when it finishes, is aborted or
+fails, unless the transfer core took them first (P: a finished prompt's, under `Hold`;
+D: those a transfer may still hit, under `Quarantine`), through the engine's side of the
+transfer contract (pdserve.engine.transfer_adapter; pdserve.transfer.adapter has who
+owns what, when); the core then frees them. The engine talks to the core only through
+`TransferCore`. `check_integrity()` verifies the pool (tests call it after every scenario).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from pdserve.engine.request import Request, RequestState
 from pdserve.engine.runner import ModelRunner
 from pdserve.engine.scheduler import Scheduler, SchedulerOutput, blocks_needed
 from pdserve.engine.steptrace import StepTracer
+from pdserve.engine.transfer_adapter import EngineBlocks, remote_view
 from pdserve.engine.types import (
     EngineRequest,
     EngineStats,
@@ -35,12 +40,13 @@ from pdserve.kv.block_pool import BlockPool
 from pdserve.kv.cache import KVCache, num_blocks_for_budget
 from pdserve.model.loader import LoadedModel, load_model
 from pdserve.token_logprob import TokenLogprob
-from pdserve.transfer.connector import (
+from pdserve.transfer.adapter import (
+    EngineSide,
     Event,
-    KVConnector,
     KVReady,
-    remote_address,
-    transfer_id_of,
+    TransferCore,
+    remote_address_of,
+    transfer_id_for,
 )
 from pdserve.transfer.errors import TransferCause, transfer_error
 from pdserve.transfer.hoptrace import hop
@@ -53,7 +59,9 @@ from pdserve.transfer.params import (
     check_remote_blocks,
 )
 
-ConnectorFactory = Callable[[KVCache, BlockPool, LoadedModel], KVConnector]
+# Builds the transfer core once the KV cache exists; it reaches the engine only through
+# the `EngineSide` it is given (pdserve.transfer.factory.build_factory makes one).
+ConnectorFactory = Callable[[KVCache, EngineSide, LoadedModel], TransferCore]
 
 log = logging.getLogger(__name__)
 
@@ -84,14 +92,15 @@ class LLMEngine:
         self.runner = ModelRunner(loaded.model, self.kv, device, self.tokenizer.eos_token_ids)
         self.requests: dict[str, Request] = {}
         self.trace = StepTracer()  # DEBUG lines on pdserve.engine.steps (steptrace.py)
-        self.connector: KVConnector | None = None
+        self.connector: TransferCore | None = None
         # Set by whoever drives the loop (AsyncEngine): outputs made between two layers of a
         # step are handed over through it at once instead of with the step's outputs.
         self.early_outputs: Callable[[list[RequestOutput]], None] | None = None
         self._deferred: list[Event] = []  # connector events for requests in a running step
         if connector_factory is not None:
-            self.connector = connector_factory(self.kv, self.pool, loaded)
-            self.scheduler.on_remote_admit = self.connector.start_receive
+            blocks = EngineBlocks(self.pool, self.requests)
+            self.connector = connector = connector_factory(self.kv, blocks, loaded)
+            self.scheduler.on_remote_admit = lambda r: connector.start_receive(remote_view(r))
             frac = self.connector.cfg.max_waiting_kv_fraction
             self.scheduler.remote_kv_block_cap = int(frac * num_blocks)
         log.info("engine: %s, %d KV blocks of %d tokens", self.model_name, num_blocks, bs)
@@ -115,7 +124,7 @@ class LLMEngine:
         req = Request(er, detok)
         self.requests[req.request_id] = req
         if self.connector is not None and req.is_remote_decode:
-            self.connector.prompts_alive.add(transfer_id_of(req))
+            self.connector.prefill_admitted(remote_view(req))
         self.scheduler.add(req)
         return []
 
@@ -142,17 +151,19 @@ class LLMEngine:
         try:
             check_for_instance(p, self.instance_limits(), len(er.prompt_token_ids))
             self._check_transfer_free(p.transfer_id or er.request_id)
-            peer = None
+            peer_blocks = None
             if p.do_remote_prefill and p.remote_engine_id and p.remote_incarnation:
-                peer = self.connector.known_peer(p.remote_engine_id, p.remote_incarnation)
-            if peer is not None and p.transfer_mode == "pull":
-                check_remote_blocks(p, peer.num_blocks)
+                peer_blocks = self.connector.remote_num_blocks(
+                    p.remote_engine_id, p.remote_incarnation
+                )
+            if peer_blocks is not None and p.transfer_mode == "pull":
+                check_remote_blocks(p, peer_blocks)
         except InvalidKVTransferParams as exc:
             return str(exc)
         busy = self._over_cap(er, blocks_needed(len(er.prompt_token_ids), self.kv.block_size))
         if busy is None:
             return None
-        self.connector.stats.legs_refused += 1
+        self.connector.count_refused_leg()
         return transfer_error(TransferCause.OVERLOADED, busy)
 
     def _over_cap(self, er: EngineRequest, need: int) -> str | None:
@@ -169,7 +180,9 @@ class LLMEngine:
         if p.do_remote_prefill:
             peer = (p.remote_host, p.remote_port)
             waiting = sum(
-                1 for r in self.requests.values() if r.needs_remote_kv and remote_address(r) == peer
+                1
+                for r in self.requests.values()
+                if r.needs_remote_kv and remote_address_of(r.kv_transfer) == peer
             )
             if waiting >= c.cfg.max_waiting_per_peer:
                 return (
@@ -201,9 +214,8 @@ class LLMEngine:
         with it would overwrite the first one's hold, receive slot or quarantine."""
         c = self.connector
         assert c is not None
-        busy = tid in c.holds or tid in c.quarantine or tid in c.receiving
-        busy = busy or any(
-            r.kv_transfer is not None and transfer_id_of(r) == tid for r in self.requests.values()
+        busy = c.transfer_in_use(tid) or any(
+            r.kv_transfer is not None and _transfer_id(r) == tid for r in self.requests.values()
         )
         if busy:
             raise InvalidKVTransferParams(
@@ -246,11 +258,11 @@ class LLMEngine:
                 continue
             if isinstance(ev, KVReady):
                 self.trace.landed(1)
-                hop(transfer_id_of(req), "d.engine_kv", busy=len(busy))
+                hop(_transfer_id(req), "d.engine_kv", busy=len(busy))
                 self.scheduler.kv_arrived(req)
                 lp = ev.first_token_logprobs if req.logprobs is not None else None
                 outputs.append(self._append_token(req, ev.first_token_id, lp))
-                hop(transfer_id_of(req), "d.engine_out", rid=req.request_id)
+                hop(_transfer_id(req), "d.engine_out", rid=req.request_id)
             else:
                 outputs.append(self._fail(req, ev.error))
         return outputs
@@ -281,7 +293,9 @@ class LLMEngine:
             return None
         if self.connector.cfg.role == "decode" and self.early_outputs is not None:
             return self._mid_step_poll(frozenset(s.request.request_id for s in sched.seqs))
-        last = [s.request for s in sched.seqs if s.samples and s.request.is_remote_decode]
+        last = [
+            remote_view(s.request) for s in sched.seqs if s.samples and s.request.is_remote_decode
+        ]
         return self.connector.layer_hook(last) if last else None
 
     def _mid_step_poll(self, busy: frozenset[str]) -> Callable[[int], None]:
@@ -356,20 +370,18 @@ class LLMEngine:
         return out
 
     def _hand_over(self, req: Request, reason: FinishReason) -> KVTransferParams | None:
-        """P/D: give the request's blocks to the connector before the request ends."""
-        if self.connector is None:
+        """P/D: tell the transfer core the request ends, before its blocks are freed: the
+        core takes those it still needs (P: the prompt's, D: those a transfer may hit)."""
+        c = self.connector
+        if c is None:
             return None
-        params = None
         if req.state is RequestState.WAITING_FOR_REMOTE_KV:
-            self.connector.cancel_receive(req)
+            c.cancel_receive(remote_view(req))
         elif req.is_remote_decode and reason in (FinishReason.STOP, FinishReason.LENGTH):
-            params = self.connector.prefill_done(req, req.output_token_ids[-1])
+            return c.prefill_done(remote_view(req), req.output_token_ids[-1])
         elif req.is_remote_decode:
-            self.connector.prefill_failed(req, f"prefill ended: {reason.value}")
-        # After the connector heard of the end: push's writer decides that a registration's
-        # prompt never came only when the prompt is not alive and nothing is queued to it.
-        self.connector.prompts_alive.discard(transfer_id_of(req))
-        return params
+            c.prefill_failed(remote_view(req), f"prefill ended: {reason.value}")
+        return None
 
     def _output(self, req: Request, new: list[int], final: bool) -> RequestOutput:
         out = RequestOutput(
@@ -395,8 +407,8 @@ class LLMEngine:
             role=c.cfg.role if c else "both",
             transfer_mode=c.cfg.mode if c else None,
             transport=c.transport_kind if c else None,
-            side_channel_host=c.side.address[0] if c else None,
-            side_channel_port=c.side.address[1] if c else None,
+            side_channel_host=c.side_address[0] if c else None,
+            side_channel_port=c.side_address[1] if c else None,
             model=self.model_name,
         )
         return EngineInfo(
@@ -438,6 +450,10 @@ class LLMEngine:
     def close(self) -> None:
         if self.connector is not None:
             self.connector.close()
+
+
+def _transfer_id(r: Request) -> str:
+    return transfer_id_for(r.kv_transfer, r.request_id)
 
 
 def _live(r: Request) -> LiveRequest:

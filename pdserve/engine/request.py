@@ -1,11 +1,14 @@
 """A request's life inside the engine: its tokens, its blocks and its state.
 
-Owned by the engine thread. `block_ids` are held (in the block pool) by the tag
+Owned by the engine thread. `block_ids` are held (in the block pool) by the owner
 `request_id` (the first `num_cached_blocks` shared read-only with other holders when
 prefix caching found them) while the request is WAITING (after a preemption they are empty),
 WAITING_FOR_REMOTE_KV (D: reserved for the incoming prompt KV) or RUNNING. The
-connector takes them over under its own tags only when the request ends (see
-pdserve.transfer.connector).
+transfer core takes them over under its own owners (`Hold`, `Quarantine`) only when
+the request ends, or, D, as it fails because its prefill instance is down; it does so
+through pdserve.engine.transfer_adapter, which empties `block_ids` (see
+pdserve.transfer.adapter). The core never sees this object, only `RemoteRequest`
+snapshots of it.
 """
 
 from __future__ import annotations
@@ -49,8 +52,6 @@ class Request:
         self.kv_transfer = req.kv_transfer
         # D side: the prompt's KV comes from a prefill instance, not from our own compute.
         self.needs_remote_kv = bool(req.kv_transfer and req.kv_transfer.do_remote_prefill)
-        self.kv_deadline = float("inf")  # D: the connector's watchdog deadline
-        self.kv_wait_start = 0.0  # D: when the connector started receiving
         self.generator: torch.Generator | None = None
         if req.params.seed is not None:
             self.generator = torch.Generator().manual_seed(req.params.seed)

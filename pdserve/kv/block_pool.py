@@ -1,14 +1,14 @@
 """The block pool: which KV blocks are free, who holds the others, and which are cached.
 
-Plain Python ints, an LRU free queue and owner tags per used block. At every instant each
-block is either free (in the queue) or held by one or more distinct tags:
+Plain Python ints, an LRU free queue and owners per used block. At every instant each
+block is either free (in the queue) or held by one or more distinct owners (any hashable
+value):
 
-- a running (or prefilling) request: tag = its request id;
-- an outgoing transfer held for a peer (P side, under a lease): tag = "hold:<id>";
-- an incoming transfer reserved for a peer's write (D side, under a deadline):
-  tag = "recv:<id>";
-- quarantine (D side): blocks of a timed-out incoming transfer that a late write might
-  still hit; they return to the free queue only once the writer is known to be done.
+- a request (queued after a preemption, prefilling, waiting for remote KV, decoding):
+  its request id (a str);
+- the transfer core (pdserve.transfer.adapter, typed owners): `Hold(tid)` on P, blocks
+  of a finished prompt kept for a decode instance; `Quarantine(tid)` on D, blocks a late
+  write or read might still hit, back in the free queue only once none can.
 
 Prefix caching: a full block whose contents are final may be registered under the hash of
 the token prefix it ends (`cache`, pdserve.kv.prefix_hash). A cached block can then be held
@@ -28,7 +28,9 @@ that only cached blocks are shared and that the hash index is one-to-one.
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
-from collections.abc import Iterable
+from collections.abc import Hashable, Iterable
+
+Owner = Hashable  # a request id, or the transfer core's Hold / Quarantine
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -40,7 +42,7 @@ class BlockIntegrityError(AssertionError):
 
 
 class BlockPool:
-    """Allocates block ids 0..num_blocks-1 to owner tags; indexes cached blocks by hash."""
+    """Allocates block ids 0..num_blocks-1 to owners; indexes cached blocks by hash."""
 
     def __init__(self, num_blocks: int) -> None:
         if num_blocks < 1:
@@ -48,7 +50,7 @@ class BlockPool:
         self.num_blocks = num_blocks
         # Insertion order is the eviction order: the head is the least recently freed.
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
-        self._owners: dict[int, list[str]] = {}
+        self._owners: dict[int, list[Owner]] = {}
         self._hash_of: dict[int, bytes] = {}
         self._block_of: dict[bytes, int] = {}
         self.num_evicted = 0  # cached blocks whose hash was dropped to reuse them
@@ -76,7 +78,7 @@ class BlockPool:
     def can_allocate(self, n: int) -> bool:
         return n <= len(self._free)
 
-    def allocate(self, n: int, owner: str) -> list[int]:
+    def allocate(self, n: int, owner: Owner) -> list[int]:
         """Take `n` free blocks for `owner` (theirs alone to write); all or nothing."""
         if n > len(self._free):
             raise NoFreeBlocksError(f"need {n} KV blocks, {len(self._free)} free")
@@ -92,7 +94,7 @@ class BlockPool:
             del self._block_of[h]
             self.num_evicted += 1
 
-    def free(self, blocks: Iterable[int], owner: str) -> None:
+    def free(self, blocks: Iterable[int], owner: Owner) -> None:
         """Drop `owner`'s hold on `blocks`; a block nobody else holds goes to the free queue's
         tail (still cached if it was). Freeing a block one does not hold is a bug."""
         blocks = self._check_owner(blocks, owner)
@@ -103,7 +105,7 @@ class BlockPool:
                 del self._owners[b]
                 self._free[b] = None
 
-    def transfer(self, blocks: Iterable[int], old: str, new: str) -> None:
+    def transfer(self, blocks: Iterable[int], old: Owner, new: Owner) -> None:
         """Hand `old`'s hold on blocks to `new` without freeing them (e.g. request -> lease)."""
         blocks = self._check_owner(blocks, old)
         for b in blocks:
@@ -112,7 +114,7 @@ class BlockPool:
                 raise BlockIntegrityError(f"block {b} is already held by {new!r}")
             owners[owners.index(old)] = new
 
-    def _check_owner(self, blocks: Iterable[int], owner: str) -> list[int]:
+    def _check_owner(self, blocks: Iterable[int], owner: Owner) -> list[int]:
         blocks = list(blocks)
         if len(set(blocks)) != len(blocks):
             raise BlockIntegrityError(f"a block is named twice in {blocks[:8]}")
@@ -130,7 +132,7 @@ class BlockPool:
     def is_free(self, block: int) -> bool:
         return block in self._free
 
-    def share(self, blocks: Iterable[int], owner: str) -> None:
+    def share(self, blocks: Iterable[int], owner: Owner) -> None:
         """Give `owner` a hold on cached blocks (read-only: their contents are final). Free
         ones leave the free queue, so they cannot be evicted while anyone holds them."""
         blocks = list(blocks)
@@ -146,7 +148,7 @@ class BlockPool:
             else:
                 self._owners[b].append(owner)
 
-    def cache(self, block: int, block_hash: bytes, owner: str) -> bool:
+    def cache(self, block: int, block_hash: bytes, owner: Owner) -> bool:
         """Register `owner`'s block, now full and final, under `block_hash`.
 
         False (nothing changes) when another block already has this hash: the two hold the
@@ -169,21 +171,21 @@ class BlockPool:
     def is_cached(self, block: int) -> bool:
         return block in self._hash_of
 
-    def writable_by(self, block: int, owner: str) -> bool:
+    def writable_by(self, block: int, owner: Owner) -> bool:
         """Whether `owner` may write `block`: it holds it alone and it is not cached."""
         return self._owners.get(block) == [owner] and block not in self._hash_of
 
     # -- introspection -------------------------------------------------------------------
-    def owner_of(self, block: int) -> str | None:
+    def owner_of(self, block: int) -> Owner | None:
         """The block's first holder (its only one unless it is a shared cached block)."""
         owners = self._owners.get(block)
         return owners[0] if owners else None
 
-    def owners_of(self, block: int) -> tuple[str, ...]:
+    def owners_of(self, block: int) -> tuple[Owner, ...]:
         return tuple(self._owners.get(block, ()))
 
-    def owners(self) -> Counter[str]:
-        """Blocks per owner tag (for leak reports and metrics)."""
+    def owners(self) -> Counter[Owner]:
+        """Blocks per owner (for leak reports and metrics)."""
         return Counter(o for owners in self._owners.values() for o in owners)
 
     def check_integrity(self) -> None:

@@ -102,14 +102,21 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from pdserve.config import ConnectorConfig
-from pdserve.engine.request import Request
-from pdserve.kv.block_pool import BlockPool
-from pdserve.kv.cache import KVCache
 from pdserve.logsafe import Throttled, shown
 from pdserve.token_logprob import TokenLogprob
 from pdserve.transfer import messages as m
+from pdserve.transfer.adapter import (
+    EngineSide,
+    Event,
+    Hold,
+    KVFailed,
+    KVLayout,
+    KVReady,
+    Quarantine,
+    RemoteRequest,
+)
 from pdserve.transfer.descriptors import Desc, block_descriptors
-from pdserve.transfer.errors import TransferCause, transfer_error
+from pdserve.transfer.errors import TransferCause
 from pdserve.transfer.params import KVTransferParams
 from pdserve.transfer.side_channel import Address, SideChannel, new_nonce
 from pdserve.transfer.stats import ConnectorMetrics, ConnectorStats, WriterStats
@@ -122,26 +129,6 @@ log = logging.getLogger(__name__)
 # How long one blocking wait on a transfer lasts before it checks again (tcp wakes earlier).
 _TRANSFER_WAKE_S = 0.05
 _MAX_MET = 1024  # addresses remembered as having answered a handshake once
-
-
-class KVReady(msgspec.Struct, frozen=True):
-    """Engine event: the request's prompt KV is in its blocks; P sampled `first_token_id`."""
-
-    request_id: str
-    first_token_id: int
-    prefill_done_time: float
-    first_token_logprobs: TokenLogprob | None = None  # P's, when the request asked
-
-
-class KVFailed(msgspec.Struct, frozen=True):
-    """Engine event: the KV will never arrive; fail the request with `error` (made by
-    `transfer_error`, so the HTTP layer can tell a transfer failure from an engine bug)."""
-
-    request_id: str
-    error: str
-
-
-Event = KVReady | KVFailed
 
 
 class Arrived(msgspec.Struct, frozen=True):
@@ -184,6 +171,15 @@ class _Hold:
 
 
 @dataclass
+class _Receiving:
+    """D: a request whose KV is on its way into its blocks (still the request's)."""
+
+    req: RemoteRequest
+    wait_start: float
+    deadline: float  # the watchdog: `recv_timeout_s` after `wait_start`
+
+
+@dataclass
 class _Quarantine:
     blocks: list[int]
     deadline: float
@@ -196,14 +192,14 @@ class KVConnector:
     def __init__(
         self,
         cfg: ConnectorConfig,
-        kv: KVCache,
-        pool: BlockPool,
+        kv: KVLayout,
+        engine: EngineSide,
         compat: m.Compat,
         transport: Transport,
     ) -> None:
         self.cfg = cfg
         self.kv = kv
-        self.pool = pool
+        self.engine = engine
         self.compat = compat
         self.transport = transport
         self.transport_kind = transport.kind
@@ -217,7 +213,7 @@ class KVConnector:
         self.holds: dict[str, _Hold] = {}
         self.holds_lock = threading.Lock()
         self.quarantine: dict[str, _Quarantine] = {}  # engine thread only
-        self.receiving: dict[str, Request] = {}  # transfer id -> D request (engine thread)
+        self.receiving: dict[str, _Receiving] = {}  # transfer id -> D request (engine thread)
         # P: transfer ids of prompts alive in this engine (engine thread writes, writer reads)
         self.prompts_alive: set[str] = set()
         self.stats = ConnectorStats()
@@ -243,26 +239,49 @@ class KVConnector:
         )
         self._heartbeat.start()
 
-    # -- scheduler side: overridden by each mode --------------------------------------------
-    def start_receive(self, req: Request) -> None:
-        """D: remember the waiting request and arm its watchdog; the mode starts the load."""
-        req.kv_wait_start = time.monotonic()
-        req.kv_deadline = req.kv_wait_start + self.cfg.recv_timeout_s
-        self.receiving[transfer_id_of(req)] = req
+    # -- scheduler side (pdserve.transfer.adapter.TransferCore) -----------------------------
+    @property
+    def side_address(self) -> Address:
+        return self.side.address
 
-    def prefill_done(self, req: Request, first_token: int) -> KVTransferParams:
+    def start_receive(self, req: RemoteRequest) -> None:
+        """D: remember the waiting request and arm its watchdog; the mode starts the load."""
+        now = time.monotonic()
+        self.receiving[req.transfer_id] = _Receiving(req, now, now + self.cfg.recv_timeout_s)
+
+    def prefill_admitted(self, req: RemoteRequest) -> None:
+        """P: the prompt of `req` is queued or computing here (`prompts_alive`)."""
+        self.prompts_alive.add(req.transfer_id)
+
+    def prefill_done(self, req: RemoteRequest, first_token: int) -> KVTransferParams:
+        """P: take the prompt's blocks (`Hold`) and return the params for the router."""
+        try:
+            return self._prefill_done(req, first_token)
+        finally:
+            # After the mode heard of the end: push's writer decides that a registration's
+            # prompt never came only when the prompt is not alive and nothing is queued to it.
+            self.prompts_alive.discard(req.transfer_id)
+
+    def prefill_failed(self, req: RemoteRequest, reason: str) -> None:
+        """P: the prompt will never be computed (abort, error)."""
+        try:
+            self._prefill_failed(req, reason)
+        finally:
+            self.prompts_alive.discard(req.transfer_id)
+
+    def _prefill_done(self, req: RemoteRequest, first_token: int) -> KVTransferParams:
         raise NotImplementedError
 
     def check_params(self, params: KVTransferParams) -> None:
         """D: raise InvalidKVTransferParams if a decode leg with `params` must not be
         admitted here (mode hook; pull verifies P's signature). Any thread; no side effect."""
 
-    def layer_hook(self, reqs: list[Request]) -> Callable[[int], None] | None:
+    def layer_hook(self, reqs: list[RemoteRequest]) -> Callable[[int], None] | None:
         """P: a per-layer callback for a step that completes these prompts, or None."""
         return None
 
-    def prefill_failed(self, req: Request, reason: str) -> None:
-        """Default: nothing was promised to anyone yet."""
+    def _prefill_failed(self, req: RemoteRequest, reason: str) -> None:
+        """Mode hook; default: nothing was promised to anyone yet."""
 
     def release_transfer(self, tid: str) -> None:
         """P (engine thread): the router's release of `tid` (module doc); mode hook."""
@@ -276,26 +295,29 @@ class KVConnector:
             if h is None or h.claimant is not None:
                 return False
             del self.holds[tid]
-        self.pool.free(h.blocks, f"hold:{tid}")
+        self.engine.free_blocks(h.blocks, Hold(tid))
         self.stats.released_by_router += 1
         log.debug("released hold %s (the router's release)", shown(tid))
         return True
 
-    def cancel_receive(self, req: Request) -> None:
-        """D: fence the request's blocks until no transfer can land in them.
+    def cancel_receive(self, req: RemoteRequest) -> None:
+        """D: fence the request's blocks (`Quarantine`) until no transfer can land in them.
 
         A transfer the workers already reported as failed is over: nothing is fenced and
-        the scheduler frees the blocks as usual.
+        the engine frees the blocks as usual.
         """
-        tid = transfer_id_of(req)
+        tid = req.transfer_id
         if self.receiving.pop(tid, None) is None:
             return
-        if req.block_ids:
-            self.pool.transfer(req.block_ids, req.request_id, f"quarantine:{tid}")
-            deadline = time.monotonic() + self.cfg.quarantine_s
-            self.quarantine[tid] = _Quarantine(req.block_ids, deadline, remote_address(req))
-            req.block_ids = []
+        self._fence(tid, req.request_id, req.remote_address)
         self._on_cancel(tid)
+
+    def _fence(self, tid: str, request_id: str, peer: Address | None) -> None:
+        """D: take the request's blocks into quarantine (engine thread)."""
+        blocks = self.engine.take_blocks(request_id, Quarantine(tid))
+        if blocks:
+            deadline = time.monotonic() + self.cfg.quarantine_s
+            self.quarantine[tid] = _Quarantine(blocks, deadline, peer)
 
     def _on_cancel(self, tid: str) -> None:
         """Mode hook: tell whoever may still touch the blocks."""
@@ -316,7 +338,7 @@ class KVConnector:
             out += self._apply(item)
         out += self._expire(time.monotonic())
         self._watched = frozenset(
-            {remote_address(r) for r in self.receiving.values()}
+            {r.req.remote_address for r in self.receiving.values()}
             | {q.peer for q in self.quarantine.values()}
         ) - {None}
         return out
@@ -330,21 +352,16 @@ class KVConnector:
             return self._peer_down(item)
         elif isinstance(item, (Arrived, Failed)):
             # An outcome counts only while its request still waits; else it is stale.
-            req = self.receiving.pop(item.transfer_id, None)
-            if req is None:
+            r = self.receiving.pop(item.transfer_id, None)
+            if r is None:
                 return []
+            rid = r.req.request_id
             if isinstance(item, Failed):
                 self.stats.failures += 1
-                return [KVFailed(req.request_id, transfer_error(item.cause, item.error))]
-            self._count_arrival(time.monotonic() - req.kv_wait_start, item.prefill_done_time)
-            return [
-                KVReady(
-                    req.request_id,
-                    item.first_token_id,
-                    item.prefill_done_time,
-                    item.first_token_logprobs,
-                )
-            ]
+                return [KVFailed(rid, item.cause, item.error)]
+            self._count_arrival(time.monotonic() - r.wait_start, item.prefill_done_time)
+            lp = item.first_token_logprobs
+            return [KVReady(rid, item.first_token_id, item.prefill_done_time, lp)]
         return []
 
     def _expire(self, now: float) -> list[Event]:
@@ -358,12 +375,12 @@ class KVConnector:
                 "quarantine of %s ended by its deadline", shown(tid)
             )
             self.release_quarantine(tid)
-        late = [(t, r) for t, r in self.receiving.items() if r.kv_deadline < now]
+        late = [(t, r.req) for t, r in self.receiving.items() if r.deadline < now]
         out: list[Event] = []
         for tid, req in late:
             self.stats.recv_timeouts += 1
             what = f"no KV from the prefill instance within {self.cfg.recv_timeout_s:.0f} s"
-            out.append(KVFailed(req.request_id, transfer_error("timeout", f"{what} ({tid})")))
+            out.append(KVFailed(req.request_id, TransferCause.TIMEOUT, f"{what} ({tid})"))
         return out
 
     def _peer_down(self, down: PeerDown) -> list[Event]:
@@ -378,7 +395,9 @@ class KVConnector:
         where = shown(f"{down.address[0]}:{down.address[1]}")
         self._warn[down.cause].warning("peer at %s is down: %s", where, down.reason)
         self._forget_peer(down.address)
-        lost = [(t, r) for t, r in self.receiving.items() if remote_address(r) == down.address]
+        lost = [
+            (t, r.req) for t, r in self.receiving.items() if r.req.remote_address == down.address
+        ]
         for tid, req in lost:
             del self.receiving[tid]
             self._abandon(tid, req)
@@ -387,12 +406,13 @@ class KVConnector:
         self.side.forget(down.address)  # after `_abandon`: no lane job still wants it
         self._on_peer_gone(down.address)
         msg = f"the prefill instance at {where} {down.reason}"
-        return [KVFailed(r.request_id, transfer_error(down.cause, msg)) for _, r in lost]
+        return [KVFailed(r.request_id, down.cause, msg) for _, r in lost]
 
-    def _abandon(self, tid: str, req: Request) -> None:
-        """D, engine thread: `req` fails because its peer is gone, and the scheduler frees
-        its blocks next. Mode hook: make sure no worker starts a transfer into them later
-        (the peer's transport links are already closed, so nothing in flight can land)."""
+    def _abandon(self, tid: str, req: RemoteRequest) -> None:
+        """D, engine thread: `req` fails because its peer is gone, and the engine frees its
+        blocks next unless this hook fences them (`_fence`). Mode hook: make sure no worker
+        starts a transfer into them later (the peer's transport links are already closed,
+        so nothing in flight can land)."""
 
     def _on_peer_gone(self, address: Address) -> None:
         """D, engine thread: mode hook: end the worker (lane) of a peer declared down."""
@@ -463,13 +483,12 @@ class KVConnector:
         if addr in self._watched:  # only peers we ping: a stranger's Pongs must not pile up
             self._pongs[addr] = time.monotonic()
 
-    def hold(self, req: Request, first_token: int, done_time: float, lease: bool) -> _Hold:
-        """P: take the finished request's blocks; with `lease`, the engine expires them."""
-        tid = transfer_id_of(req)
-        self.pool.transfer(req.block_ids, req.request_id, f"hold:{tid}")
+    def hold(self, req: RemoteRequest, first_token: int, done_time: float, lease: bool) -> _Hold:
+        """P: take the finished request's blocks (`Hold`); with `lease`, `poll` expires them."""
+        tid = req.transfer_id
+        blocks = self.engine.take_blocks(req.request_id, Hold(tid))
         deadline = time.monotonic() + self.cfg.lease_s if lease else float("inf")
-        h = _Hold(tid, req.block_ids, req.num_computed_tokens, first_token, done_time, deadline)
-        req.block_ids = []
+        h = _Hold(tid, blocks, req.num_tokens, first_token, done_time, deadline)
         with self.holds_lock:
             self.holds[tid] = h
         return h
@@ -482,14 +501,14 @@ class KVConnector:
             if h is None or (only_before is not None and h.deadline >= only_before):
                 return False
             del self.holds[tid]
-        self.pool.free(h.blocks, f"hold:{tid}")
+        self.engine.free_blocks(h.blocks, Hold(tid))
         log.debug("released hold %s (%s)", shown(tid), reason)
         return True
 
     def release_quarantine(self, tid: str) -> None:
         q = self.quarantine.pop(tid, None)
         if q is not None:
-            self.pool.free(q.blocks, f"quarantine:{tid}")
+            self.engine.free_blocks(q.blocks, Quarantine(tid))
 
     def unclaimed_blocks(self) -> int:
         """P: blocks held for transfers no decode instance has claimed (pull: PullClaim;
@@ -534,6 +553,14 @@ class KVConnector:
         """Whether blocks are still held, fenced or awaited under `tid` (a lock-free read of
         engine-thread dicts: membership tests only, any thread)."""
         return tid in self.holds or tid in self.quarantine or tid in self.receiving
+
+    def transfers_in_use(self) -> list[str]:
+        """The transfer ids `transfer_in_use` answers True for (list copies: any thread)."""
+        return [*list(self.holds), *list(self.quarantine), *list(self.receiving)]
+
+    def count_refused_leg(self) -> None:
+        """The engine refused a P/D leg at admission (its side's caps)."""
+        self.stats.legs_refused += 1
 
     def has_pending(self) -> bool:
         return bool(self.holds or self.quarantine or self.receiving)
@@ -692,6 +719,11 @@ class KVConnector:
             p = self._peers.get(engine_id)
         return p if p and p.incarnation == incarnation else None
 
+    def remote_num_blocks(self, engine_id: str, incarnation: str) -> int | None:
+        """The KV blocks of a peer known from a handshake, or None (any thread)."""
+        peer = self.known_peer(engine_id, incarnation)
+        return peer.num_blocks if peer is not None else None
+
     def descriptors(self, peer: Peer, local_blocks: list[int], remote_blocks: list[int]):
         """(local, remote) descriptor lists for whole blocks, adjacent runs coalesced."""
         return block_descriptors(self.kv, peer.num_blocks, local_blocks, remote_blocks)
@@ -785,17 +817,3 @@ class PeerDown(msgspec.Struct, frozen=True):
     address: Address
     reason: str
     cause: TransferCause = TransferCause.PEER_DOWN
-
-
-def remote_address(req: Request) -> Address | None:
-    """D: the side channel of the prefill instance this request's KV comes from."""
-    p = req.kv_transfer
-    if p is None or p.remote_host is None or p.remote_port is None:
-        return None
-    return (p.remote_host, p.remote_port)
-
-
-def transfer_id_of(req: Request) -> str:
-    """The transfer id of a P/D request (the router's, else the request id)."""
-    params = req.kv_transfer
-    return (params.transfer_id if params and params.transfer_id else None) or req.request_id

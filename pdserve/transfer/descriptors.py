@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pdserve.kv.cache import KVCache
+from pdserve.transfer.adapter import KVLayout
 
 Desc = tuple[int, int]  # (offset, length) inside the peer's registered KV region
 
@@ -33,7 +33,7 @@ def block_offset(num_blocks: int, block_nbytes: int, layer: int, kv: int, block:
 
 
 def block_descriptors(
-    kv: KVCache,
+    kv: KVLayout,
     remote_num_blocks: int,
     local_blocks: Sequence[int],
     remote_blocks: Sequence[int],

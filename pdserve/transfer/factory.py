@@ -16,9 +16,9 @@ from pdserve.config import ConnectorConfig, TransportConfig
 from pdserve.transfer.messages import Compat
 
 if TYPE_CHECKING:
-    from pdserve.kv.block_pool import BlockPool
     from pdserve.kv.cache import KVCache
     from pdserve.model.loader import LoadedModel
+    from pdserve.transfer.adapter import EngineSide
     from pdserve.transfer.connector import KVConnector
 
 
@@ -246,13 +246,13 @@ def make_connector_factory(args: argparse.Namespace):
 def build_factory(ccfg: ConnectorConfig, tcfg: TransportConfig):
     """The engine's connector factory for a P/D role (`ccfg.mode` picks pull or push)."""
 
-    def factory(kv: KVCache, pool: BlockPool, loaded: LoadedModel) -> KVConnector:
+    def factory(kv: KVCache, engine: EngineSide, loaded: LoadedModel) -> KVConnector:
         from pdserve.transfer.kv_transport import open_kv_transport
         from pdserve.transfer.pull import PullConnector
         from pdserve.transfer.push import PushConnector
 
         transport = open_kv_transport(tcfg, ccfg.engine_id, kv, ccfg.fault_transfer_every)
         cls = PushConnector if ccfg.mode == "push" else PullConnector
-        return cls(ccfg, kv, pool, compat_of(kv, loaded), transport)
+        return cls(ccfg, kv, engine, compat_of(kv, loaded), transport)
 
     return factory

@@ -38,9 +38,9 @@ import time
 
 import msgspec
 
-from pdserve.engine.request import Request
 from pdserve.logsafe import shown
 from pdserve.transfer import messages as m
+from pdserve.transfer.adapter import RemoteRequest
 from pdserve.transfer.connector import (
     Arrived,
     Failed,
@@ -49,8 +49,6 @@ from pdserve.transfer.connector import (
     ReleaseHold,
     ReleaseQuarantine,
     TransferError,
-    _Quarantine,
-    transfer_id_of,
 )
 from pdserve.transfer.errors import TransferCause
 from pdserve.transfer.hoptrace import hop
@@ -99,7 +97,7 @@ class PullConnector(KVConnector):
         self._release_when_done: set[str] = set()
 
     # -- P -------------------------------------------------------------------------------
-    def prefill_done(self, req: Request, first_token: int) -> KVTransferParams:
+    def _prefill_done(self, req: RemoteRequest, first_token: int) -> KVTransferParams:
         h = self.hold(req, first_token, time.time(), lease=True)
         hop(h.transfer_id, "p.prefill_done", h.done_time)
         host, port = self.side.address
@@ -122,8 +120,8 @@ class PullConnector(KVConnector):
             self.release_unclaimed(h.transfer_id)
         return sign(params, self._key) if self._key else params
 
-    def prefill_failed(self, req: Request, reason: str) -> None:
-        self._release_when_done.discard(transfer_id_of(req))
+    def _prefill_failed(self, req: RemoteRequest, reason: str) -> None:
+        self._release_when_done.discard(req.transfer_id)
 
     def release_transfer(self, tid: str) -> None:
         """P: free the hold of `tid` unless a reader claimed it (its PullDone frees it)."""
@@ -171,11 +169,10 @@ class PullConnector(KVConnector):
         HTTP gate calls this). The lease's end is checked at admission (`start_receive`)."""
         check_pull_params(params, self._key)
 
-    def start_receive(self, req: Request) -> None:
+    def start_receive(self, req: RemoteRequest) -> None:
         super().start_receive(req)
-        assert req.kv_transfer is not None
         skip = req.num_cached_blocks
-        job = _ReadJob(transfer_id_of(req), list(req.block_ids[skip:]), req.kv_transfer, skip)
+        job = _ReadJob(req.transfer_id, list(req.block_ids[skip:]), req.params, skip)
         hop(job.tid, "d.start_receive")
         try:
             self.check_params(job.params)
@@ -199,14 +196,10 @@ class PullConnector(KVConnector):
         self.report(Failed(tid, error, cause))
         self.report(ReleaseQuarantine(tid))
 
-    def _abandon(self, tid: str, req: Request) -> None:
+    def _abandon(self, tid: str, req: RemoteRequest) -> None:
         """D: the request fails (its peer is gone), but its job may still be queued or
         claiming: fence the blocks until the job ends (it reports ReleaseQuarantine)."""
-        if req.block_ids:
-            self.pool.transfer(req.block_ids, req.request_id, f"quarantine:{tid}")
-            deadline = time.monotonic() + self.cfg.quarantine_s
-            self.quarantine[tid] = _Quarantine(req.block_ids, deadline, None)
-            req.block_ids = []
+        self._fence(tid, req.request_id, None)
 
     def _on_peer_gone(self, address: Address) -> None:
         self._lanes.drop(address)

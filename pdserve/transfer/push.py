@@ -53,14 +53,15 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import msgspec
 
-from pdserve.engine.request import Request
 from pdserve.logsafe import shown
 from pdserve.token_logprob import TokenLogprob
 from pdserve.transfer import messages as m
+from pdserve.transfer.adapter import RemoteRequest
 from pdserve.transfer.connector import (
     Arrived,
     Failed,
@@ -69,7 +70,6 @@ from pdserve.transfer.connector import (
     ReleaseQuarantine,
     TransferError,
     WriterStats,
-    transfer_id_of,
 )
 from pdserve.transfer.descriptors import block_descriptors
 from pdserve.transfer.errors import TransferCause
@@ -216,18 +216,18 @@ class PushConnector(KVConnector):
             t.start()
 
     # == D side ===========================================================================
-    def start_receive(self, req: Request) -> None:
+    def start_receive(self, req: RemoteRequest) -> None:
         super().start_receive(req)
-        p = req.kv_transfer
-        assert p is not None and p.remote_host and p.remote_port and p.remote_engine_id
-        tid = transfer_id_of(req)
+        p = req.params
+        assert p.remote_host and p.remote_port and p.remote_engine_id
+        tid = req.transfer_id
         reg = m.PushRegistration(
             transfer_id=tid,
             engine_id=self.cfg.engine_id,
             incarnation=self.cfg.incarnation,
             reply_to=self.side.address,
             block_ids=list(req.block_ids[req.num_cached_blocks :]),
-            num_tokens=req.num_prompt_tokens,
+            num_tokens=req.num_tokens,
             skip_blocks=req.num_cached_blocks,
         )
         peer = (p.remote_engine_id, (p.remote_host, p.remote_port), p.remote_incarnation)
@@ -289,7 +289,7 @@ class PushConnector(KVConnector):
                         Arrived(msg.transfer_id, msg.first_token_id, msg.prefill_done_time, lp)
                     )
 
-    def _abandon(self, tid: str, req: Request) -> None:
+    def _abandon(self, tid: str, req: RemoteRequest) -> None:
         """D: its peer is gone: a registration not sent yet never will be (module doc)."""
         with self._reg_lock:
             self._unsent.pop(tid, None)
@@ -330,7 +330,7 @@ class PushConnector(KVConnector):
             self._inbox.put(msg)
 
     # == P side: engine thread ============================================================
-    def prefill_done(self, req: Request, first_token: int) -> KVTransferParams:
+    def _prefill_done(self, req: RemoteRequest, first_token: int) -> KVTransferParams:
         h = self.hold(req, first_token, time.time(), lease=False)
         hop(h.transfer_id, "p.prefill_done", h.done_time)
         ready = time.monotonic() + self.cfg.push_finish_delay_s
@@ -352,15 +352,15 @@ class PushConnector(KVConnector):
             prefill_done_time=h.done_time,
         )
 
-    def prefill_failed(self, req: Request, reason: str) -> None:
-        self._inbox.put(_PrefillFailed(transfer_id_of(req), reason))
+    def _prefill_failed(self, req: RemoteRequest, reason: str) -> None:
+        self._inbox.put(_PrefillFailed(req.transfer_id, reason))
 
     def release_transfer(self, tid: str) -> None:
         """P: hand the router's release to the writer (module doc); D has no writer."""
         if self.cfg.role != "decode":
             self._inbox.put(_RouterRelease(tid))
 
-    def layer_hook(self, reqs: list[Request]):
+    def layer_hook(self, reqs: list[RemoteRequest]) -> Callable[[int], None] | None:
         """Stream these prompts one layer at a time (engine thread).
 
         Whether D's registration is already here does not matter: the router sends both legs
@@ -370,7 +370,7 @@ class PushConnector(KVConnector):
         """
         if not self.cfg.push_layerwise or self.cfg.push_finish_delay_s or not reqs:
             return None
-        jobs = [(transfer_id_of(r), list(r.block_ids), r.num_prompt_tokens) for r in reqs]
+        jobs = [(r.transfer_id, list(r.block_ids), len(r.prompt_token_ids)) for r in reqs]
 
         def on_layer_done(layer: int) -> None:
             for tid, blocks, n in jobs:
