@@ -25,7 +25,7 @@ instance is admitted, every request is served as a local prefill on a decode ins
 says it is degraded): a cluster that lost its prefill instances degrades to monolithic
 decode instances instead of failing every request.
 
-Releasing P's hold: P keeps a finished prompt's blocks for the decode leg ("hold:<tid>").
+Releasing P's hold: P keeps a finished prompt's blocks for the decode leg (owner `Hold(tid)`).
 When that leg will never use them - D refused or failed before its stream started, no D
 was left to pick, or the client left between the legs (pull: while P ran or after P
 answered; push: before D's first token) - the dispatcher tells P at once (`POST

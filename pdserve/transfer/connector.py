@@ -1,46 +1,53 @@
-"""The KV connector contract, shared by the pull and push implementations.
+"""The KV connector: the transfer core's machinery, shared by pull and push.
 
 A connector moves a prompt's KV blocks from a prefill instance (P) to a decode
-instance (D). It has two sides:
+instance (D). It knows no engine: an engine calls it through
+`pdserve.transfer.adapter.TransferCore`, sees its requests only as `RemoteRequest`
+snapshots, and lends it blocks only through the `EngineSide` it was built with
+(`self.engine`). It has two sides:
 
-Scheduler side (called only from the engine thread; may touch the block pool):
+Scheduler side (called only from the engine thread; blocks move only through
+`self.engine.take_blocks` / `free_blocks`, under the typed owners `Hold` / `Quarantine`):
   - `start_receive(req)`  D: the request was admitted with its prompt's blocks
-    allocated (owner tag = request id) and is now WAITING_FOR_REMOTE_KV. The
+    allocated (owner: its request id) and is now WAITING_FOR_REMOTE_KV. The
     connector starts the load (pull: READ from P; push: register with P).
+  - `prefill_admitted(req)`  P: a prompt whose KV goes to D entered the engine.
   - `prefill_done(req, first_token)`  P: the prompt is computed. The connector takes
-    the request's blocks (owner tag "hold:<transfer_id>") and returns the
+    the request's blocks (owner `Hold(transfer_id)`) and returns the
     `kv_transfer_params` for the router. The request itself then finishes.
   - `prefill_failed(req, reason)`  P: the prompt will never be computed (abort,
     error); push tells D at once.
   - `cancel_receive(req)`  D: the request ended while waiting for KV (abort,
-    watchdog). Its blocks go to quarantine ("quarantine:<transfer_id>") until no
-    write or read can still land in them, then back to the pool.
+    watchdog). Its blocks go to quarantine (`Quarantine(transfer_id)`) until no
+    write or read can still land in them, then back to the engine.
   - `release_transfer(tid)`  P: the router will send no decode leg for this transfer
     (D refused or failed before its stream started, or the client left between the
     legs; `POST /kv/release`, pdserve.transfer.release). Frees a hold nobody uses yet at
     once; never one a reader claimed or a write in flight; idempotent.
   - `poll()`  applies what the worker threads reported (KV arrived, KV failed, P's
-    hold released) and the deadlines; returns the events the engine must act on.
+    hold released) and the deadlines; returns the events the engine must act on
+    (`KVReady`, `KVFailed` with a typed cause).
 
-Worker side (connector threads; never the engine thread, never the block pool):
+Worker side (connector threads; never the engine thread, never `self.engine`):
   the side-channel receiver, and the mode's transfer thread(s): pull's lanes on D (one
   per prefill instance, so a dead or slow one delays only its own requests), push's
   registration lanes on D (the same, `lanes.py`) and its writer and completion watcher
   on P. They report to the engine thread through one event queue and
   wake it with `wake()`.
 
-Who owns a block, at every moment:
-  P: request id (prefilling) -> "hold:<tid>" (lease: pull until D's PullDone or
+Who owns a block, at every moment (pdserve.transfer.adapter has the contract):
+  P: request id (prefilling) -> `Hold(tid)` (lease: pull until D's PullDone or
      `lease_s`, restarted when a reader claims it; push until the WRITE completes,
      fails, or `lease_s` without a registration; both: or the router's release, which
      frees only a hold no reader claimed and no write was posted for, at once or, for a
      prompt still computing, as soon as it finishes) -> free.
   D: request id (WAITING_FOR_REMOTE_KV, guarded by `recv_timeout_s`) -> running
-     request, or -> "quarantine:<tid>" (until the peer acknowledges that no
+     request, or -> `Quarantine(tid)` (until the peer acknowledges that no
      transfer is in flight, the peer is dropped, or `quarantine_s` passes) -> free.
      When the peer is declared down (`_peer_down`), its links are closed first; push's
-     blocks are then freed at once (a registration not sent yet never will be), pull's
-     are fenced until the lane's job ends (it may still be queued or claiming).
+     blocks are then freed at once by the engine with the failed request (a registration
+     not sent yet never will be), pull's are fenced until the lane's job ends (it may
+     still be queued or claiming).
 
 Bounded work for transfers nobody finishes (strangers' legs, lost legs):
   D: legs queued or waiting for KV from one prefill instance are capped

@@ -1,6 +1,6 @@
 """Pull mode: P keeps the prompt's blocks under a lease; D claims them, READs them, tells P.
 
-P (engine thread): `prefill_done` moves the blocks to "hold:<tid>" with a lease of
+P (engine thread): `prefill_done` moves the blocks to `Hold(tid)` with a lease of
   `lease_s` and returns their ids to the router (signed with the cluster token, if any,
   with the lease's end as `expires_at`). D's PullDone or the lease's end frees them.
 P (engine thread): the router's release (`release_transfer`) frees a hold no reader has

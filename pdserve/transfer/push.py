@@ -13,8 +13,8 @@ D (registration lanes, pdserve.transfer.lanes): one thread per prefill instance
   after the data) and reports the arrival. PushFailed from P fails the request at once.
   `cancel_receive` (abort or watchdog) fences the blocks in quarantine and sends
   PushAbort; P answers PushAbortAck once no write for that transfer is or will be in
-  flight, and only then do the blocks return to the pool.
-P (engine thread): `prefill_done` moves the blocks to "hold:<tid>" (no engine-side
+  flight, and only then do the blocks return to the engine.
+P (engine thread): `prefill_done` moves the blocks to `Hold(tid)` (no engine-side
   lease: the writer owns the deadline) and hands them to the writer at once, in the
   same step, not in the next step's metadata.
 P (writer thread): pairs registrations and finished prompts by transfer id, in either

@@ -2,7 +2,7 @@
 
 When a request's decode leg is refused or fails before D's stream starts, or the client
 goes away between the legs, nobody will ever read (pull) or be written (push) the prompt's
-KV that P keeps under "hold:<transfer_id>". The router then tells P at once, instead of
+KV that P keeps under `Hold(transfer_id)`. The router then tells P at once, instead of
 leaving the blocks held until the lease ends:
 
     POST /kv/release  {"transfer_id": T}
