@@ -14,9 +14,11 @@ the cap stays queued, and the requests behind it are admitted past it meanwhile,
 that may never come (a slow or hostile prefill side) cannot take the room running
 requests grow into and local prompts prefill in.
 
-Block ownership: the scheduler allocates blocks for a request (owner tag = request id)
+Block ownership: the scheduler allocates blocks for a request (owner = request id)
 just before the step that writes them, and frees them when the request finishes, is
-aborted or is preempted. Nothing else frees a running request's blocks.
+aborted or is preempted. Nothing else frees a running request's blocks. At a P/D
+request's end the transfer core may have taken them first (pdserve.transfer.adapter):
+`finish` then finds `block_ids` empty and frees nothing.
 
 Prefix caching (`prefix_caching`): a request admitted with nothing computed first takes
 the longest run of cached blocks that matches its token prefix (pdserve.kv.prefix_hash),

@@ -45,7 +45,7 @@ Who owns a block, at every moment (the engine's allocator records it, typed):
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import msgspec
 
@@ -126,6 +126,7 @@ class KVFailed(msgspec.Struct, frozen=True):
 Event = KVReady | KVFailed
 
 
+@runtime_checkable
 class EngineSide(Protocol):
     """What the core asks of an engine (engine thread only; see the module doc)."""
 
@@ -153,6 +154,7 @@ class KVLayout(Protocol):
     def block_nbytes(self) -> int: ...
 
 
+@runtime_checkable
 class TransferCore(Protocol):
     """What an engine calls on the core (engine thread unless said otherwise)."""
 
