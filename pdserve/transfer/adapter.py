@@ -37,9 +37,10 @@ Who owns a block, at every moment (the engine's allocator records it, typed):
      declared down while a pull may still be claiming) -> free (`free_blocks`, once no
      transfer can land in them). A request failed by `KVFailed` keeps its blocks; the
      engine frees them when it ends the request, like any other.
-  The core never touches a block the engine owns: it writes or reads only blocks under
-  `Hold`/`Quarantine` or those of a request it was told to fill (`start_receive`) and has
-  not reported yet.
+  The core touches (its transports read or write) only blocks under `Hold`/`Quarantine`,
+  those of a D request it was told to fill (`start_receive`) and has not reported yet,
+  and, P with layer-wise push, each layer of the blocks `layer_hook` named once the
+  engine calls the hook for that layer (the layer is final; the request keeps the blocks).
 """
 
 from __future__ import annotations
