@@ -35,8 +35,8 @@ Who owns a block, at every moment (the engine's allocator records it, typed):
   D: the request (its id; admitted, waiting for KV) -> still the request once `KVReady`
      (it decodes), or -> `Quarantine(tid)` (taken in `cancel_receive`, or when a peer is
      declared down while a pull may still be claiming) -> free (`free_blocks`, once no
-     transfer can land in them). A request failed by `KVFailed` keeps its blocks; the
-     engine frees them when it ends the request, like any other.
+     transfer can land in them). A request failed by `KVFailed` keeps the blocks the
+     core did not fence; the engine frees them when it ends the request, like any other.
   The core touches (its transports read or write) only blocks under `Hold`/`Quarantine`,
   those of a D request it was told to fill (`start_receive`) and has not reported yet,
   and, P with layer-wise push, each layer of the blocks `layer_hook` named once the
