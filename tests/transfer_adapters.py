@@ -76,9 +76,9 @@ class PdserveDouble:
     def check_integrity(self, held_by_core: int) -> None:
         self.pool.check_integrity()
         owned = sum(len(r.block_ids) for r in self.requests.values())
-        if owned + held_by_core != self.pool.num_used:
+        if owned + held_by_core != self.pool.num_refs:
             raise AssertionError(
-                f"{self.pool.num_used} blocks used; requests own {owned}, the core {held_by_core}"
+                f"{self.pool.num_refs} block holds; requests own {owned}, the core {held_by_core}"
             )
 
 
