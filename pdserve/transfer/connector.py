@@ -401,10 +401,8 @@ class KVConnector:
         self.stats.peers_down += 1
         where = shown(f"{down.address[0]}:{down.address[1]}")
         self._warn[down.cause].warning("peer at %s is down: %s", where, down.reason)
-        self._forget_peer(down.address)
-        lost = [
-            (t, r.req) for t, r in self.receiving.items() if r.req.remote_address == down.address
-        ]
+        self._forget_peer(down.address, keep=down.restarted_as)
+        lost = [(t, r.req) for t, r in self.receiving.items() if down.ends(r.req)]
         for tid, req in lost:
             del self.receiving[tid]
             self._abandon(tid, req)
@@ -424,10 +422,15 @@ class KVConnector:
     def _on_peer_gone(self, address: Address) -> None:
         """D, engine thread: mode hook: end the worker (lane) of a peer declared down."""
 
-    def _forget_peer(self, address: Address) -> None:
-        """Drop the handshaked peers at `address` and their transport links."""
+    def _forget_peer(self, address: Address, keep: str | None = None) -> None:
+        """Drop the handshaked peers at `address` (but incarnation `keep`: a restarted peer
+        D may have met again since) and their transport links."""
         with self._peers_lock:
-            gone = [e for e, p in self._peers.items() if p.address == address]
+            gone = [
+                e
+                for e, p in self._peers.items()
+                if p.address == address and (keep is None or p.incarnation != keep)
+            ]
             peers = [self._peers.pop(e) for e in gone]
         for p in peers:
             self.transport.remove_peer(p.transport_peer)
@@ -486,7 +489,9 @@ class KVConnector:
         with self._peers_lock:
             known = [p for p in self._peers.values() if p.address == addr]
         if any(p.incarnation != pong.incarnation for p in known):
-            self.report(PeerDown(addr, "restarted (new incarnation)"))
+            self.report(
+                PeerDown(addr, "restarted (new incarnation)", restarted_as=pong.incarnation)
+            )
         if addr in self._watched:  # only peers we ping: a stranger's Pongs must not pile up
             self._pongs[addr] = time.monotonic()
 
@@ -824,3 +829,13 @@ class PeerDown(msgspec.Struct, frozen=True):
     address: Address
     reason: str
     cause: TransferCause = TransferCause.PEER_DOWN
+    # Set when the peer answered as a new incarnation: the requests whose params already
+    # name that incarnation (legs admitted after the restart) are not lost, only the old
+    # incarnation's are.
+    restarted_as: str | None = None
+
+    def ends(self, req: RemoteRequest) -> bool:
+        """Whether `req`, waiting for KV, fails with this peer."""
+        if req.remote_address != self.address:
+            return False
+        return self.restarted_as is None or req.params.remote_incarnation != self.restarted_as
