@@ -202,8 +202,12 @@ def _serve_router(app: Any, sock: Any, log_level: str) -> None:
 
     from pdserve.server.serve import UVICORN_LOOP
 
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    config = uvicorn.Config(app, log_level=log_level, loop=UVICORN_LOOP, timeout_graceful_shutdown=5)
+    logging.basicConfig(
+        level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    config = uvicorn.Config(
+        app, log_level=log_level, loop=UVICORN_LOOP, timeout_graceful_shutdown=5
+    )
     asyncio.set_event_loop(None)
     uvicorn.Server(config).run(sockets=[sock])
 
