@@ -79,6 +79,7 @@ class RayCluster:
         self.router_url = ""
         self.router_pid = 0
         self._connected = False
+        self._owns_connection = False
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -86,7 +87,11 @@ class RayCluster:
         """Connect to Ray, start the registry, the instances (in parallel) and the router;
         returns once the router has admitted every instance. Stops what it started if any
         of it fails."""
-        connect(self.config.connection)
+        import ray
+
+        self._owns_connection = not ray.is_initialized()
+        if self._owns_connection:
+            connect(self.config.connection)
         self._connected = True
         try:
             registry_cls, _, _ = remote_classes()
@@ -104,8 +109,8 @@ class RayCluster:
         return self
 
     def stop(self) -> None:
-        """Kill the router, the instances and the registry; leave Ray (a local cluster
-        stops with it)."""
+        """Kill the router, the instances and the registry; leave Ray if `start` connected
+        (a local cluster stops with it; a caller's connection is left to the caller)."""
         import ray
 
         if not self._connected:
@@ -115,7 +120,8 @@ class RayCluster:
                 ray.kill(handle, no_restart=True)
         self._actors.clear()
         self._router = self._registry = None
-        disconnect()
+        if self._owns_connection:
+            disconnect()
         self._connected = False
 
     def __enter__(self) -> RayCluster:

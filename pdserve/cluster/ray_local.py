@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,10 +54,18 @@ def ray_environment(local: bool) -> dict[str, str]:
 def connect(conn: RayConnection) -> None:
     """`ray.init` for `conn`: join `address`, or start a local loopback cluster that
     `disconnect` stops again."""
-    # Before Ray is imported: it reads its authentication mode once, at import.
+    # Ray reads its authentication mode once, when imported: set it first, and if Ray was
+    # imported already, have it read the mode and token again (what `ray.init` itself
+    # does when it turns token authentication on).
+    imported = "ray" in sys.modules
     os.environ.update(ray_environment(conn.local))
     import ray
 
+    if imported:
+        from ray._raylet import AuthenticationTokenLoader, Config
+
+        Config.initialize("")
+        AuthenticationTokenLoader.instance().reset_cache()
     if conn.local:
         ray.init(
             _node_ip_address=LOOPBACK,
