@@ -11,8 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
-from tests.ray_harness import (
+from ray_harness import (
     PROMPTS,
     complete,
     descendants,
@@ -149,3 +148,38 @@ def test_scale_up_and_drain_under_load_lose_no_request(reference: dict[str, str]
 def _busy(cluster, name: str) -> bool:
     load = cluster.load(name)
     return load is not None and load.num_running > 0
+
+
+def test_planner_scales_up_under_load_and_down_when_idle(reference: dict[str, str]) -> None:
+    """The planner's real loop on Ray (2 cores: the mechanism, not the speed): long prompts
+    in flight push TTFT over a tight target, so it adds a prefill instance; an idle window
+    then shows prefill well within target, so it drains one again."""
+    from pdserve.planner.config import PlannerConfig
+    from pdserve.planner.policy import Action
+    from pdserve.planner.ray_loop import RayPlannerLoop
+
+    cfg = PlannerConfig(
+        ttft_target_s=0.05,
+        tpot_target_s=60.0,  # decode never hot here: the test is about prefill
+        max_prefill=2,
+        max_decode=1,
+        max_total=3,
+        cooldown=0,
+    )
+    with _cluster("push", 1, 1) as cluster:
+        planner = RayPlannerLoop(cluster, cfg)
+        for prompt in PROMPTS:
+            complete(cluster.router_url, prompt * 4, 4)
+        up = planner.step()
+        assert up.action is Action.ADD_PREFILL, up.reason
+        assert cluster.names("prefill") == ["prefill-0", "prefill-1"]
+        cluster.wait_router_sees(3)
+        down = planner.step()  # nothing was sent since: an idle window
+        assert down.action is Action.REMOVE_PREFILL, down.reason
+        assert cluster.names("prefill") == ["prefill-0"]
+        for prompt in PROMPTS:
+            assert complete(cluster.router_url, prompt) == reference[prompt]
+        metrics = planner.metrics.registry
+        for action in (Action.ADD_PREFILL, Action.REMOVE_PREFILL):
+            labels = {"action": action.value}
+            assert metrics.get_sample_value("pdserve_planner_decisions_total", labels) == 1
