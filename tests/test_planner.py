@@ -8,7 +8,8 @@ import pytest
 from pdserve.planner.config import PlannerConfig
 from pdserve.planner.policy import Action, Observation, PlannerState, decide
 from pdserve.planner.sim_replay import (
-    Phase,
+    SHIFT_PLANNER,
+    SHIFT_TRACE,
     ShiftingTrace,
     good_share,
     replay_fixed,
@@ -17,9 +18,7 @@ from pdserve.planner.sim_replay import (
 from pdserve.sim.cluster import ClusterConfig
 from pdserve.sim.profiles import load_hardware, load_model, load_software
 
-CFG = PlannerConfig(
-    ttft_target_s=1.5, tpot_target_s=0.025, max_prefill=2, max_decode=2, max_total=3
-)
+CFG = SHIFT_PLANNER
 
 
 def _decide(obs: Observation, state: PlannerState | None = None) -> Action:
@@ -73,15 +72,7 @@ def test_bounds_are_checked() -> None:
         PlannerConfig(max_total=1)
 
 
-# One H200 per instance, Qwen3-32B, vLLM's profile: 4,096-token prompts with 16-token
-# answers at 2.5 requests/s, then 128-token prompts with 512-token answers at 30/s.
-TRACE = ShiftingTrace(
-    (
-        Phase("prefill-heavy", 4, input_len=4096, output_len=16, request_rate=2.5),
-        Phase("decode-heavy", 4, input_len=128, output_len=512, request_rate=30.0),
-    ),
-    window_s=10.0,
-)
+TRACE = SHIFT_TRACE
 
 
 @pytest.fixture(scope="module")

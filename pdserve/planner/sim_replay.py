@@ -149,3 +149,48 @@ def good_share(outcomes: list[WindowOutcome]) -> float:
 
 def _percentile(values: list[float], pct: int) -> float | None:
     return float(np.percentile(values, pct)) if values else None
+
+
+# The shift `pdserve sim --planner-shift` and tests/test_planner.py replay: for one H200
+# per instance serving Qwen3-32B (vLLM's profile), 4,096-token prompts with 16-token
+# answers at 2.5 requests/s, then 128-token prompts with 512-token answers at 30/s.
+SHIFT_TRACE = ShiftingTrace(
+    (
+        Phase("prefill-heavy", 4, input_len=4096, output_len=16, request_rate=2.5),
+        Phase("decode-heavy", 4, input_len=128, output_len=512, request_rate=30.0),
+    ),
+    window_s=10.0,
+)
+SHIFT_PLANNER = PlannerConfig(
+    ttft_target_s=1.5, tpot_target_s=0.025, max_prefill=2, max_decode=2, max_total=3
+)
+FIXED_LAYOUTS: tuple[Layout, ...] = ((1, 1), (2, 1), (1, 2))
+
+
+def shift_report(
+    base: ClusterConfig,
+    trace: ShiftingTrace = SHIFT_TRACE,
+    cfg: PlannerConfig = SHIFT_PLANNER,
+) -> str:
+    """The planner's windows (layout, latencies, share meeting the targets, decision) and
+    its share against each fixed layout's, as text."""
+    planned = replay_planner(base, trace, cfg, start=FIXED_LAYOUTS[0])
+    lines = ["window  phase          layout  TTFT      TPOT     good  decision"]
+    for w in planned:
+        decision = w.decision.action.value if w.decision else "-"
+        lines.append(
+            f"{w.index:>6}  {w.phase:<13}  {w.layout[0]}P{w.layout[1]}D    "
+            f"{_ms(w.ttft_s):>8}  {_ms(w.tpot_s):>7}  {w.good:>4.0%}  {decision}"
+        )
+        if w.decision is not None:
+            lines.append(f"        {w.decision.reason}")
+    lines.append(f"\nrequests meeting both targets (p{cfg.percentile}), mean over windows:")
+    lines.append(f"  planner  {good_share(planned):.0%}")
+    for layout in FIXED_LAYOUTS:
+        share = good_share(replay_fixed(base, trace, cfg, layout))
+        lines.append(f"  {layout[0]}P{layout[1]}D     {share:.0%}")
+    return "\n".join(lines)
+
+
+def _ms(x: float | None) -> str:
+    return "-" if x is None else f"{x * 1000:.0f} ms"
