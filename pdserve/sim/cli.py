@@ -77,7 +77,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--planner-shift",
         action="store_true",
         help="replay a load that shifts from prefill-heavy to decode-heavy with the planner "
-        "choosing the layout each window, against fixed 1P1D/2P1D/1P2D, in the first --mode (docs/multi-host.md)",
+        "choosing the layout each window, against fixed 1P1D/2P1D/1P2D, in the first --mode "
+        "(docs/multi-host.md)",
     )
 
     w = parser.add_argument_group("workload (as `pdserve bench serve`)")
