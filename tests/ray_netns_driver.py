@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 
 import httpx
 
 from pdserve.cluster.ray_actors import InstanceActorSpec, remote_classes
 from pdserve.cluster.ray_cluster import RayCluster, RayClusterConfig
-from pdserve.cluster.ray_local import RayConnection
+from pdserve.cluster.ray_local import RayConnection, connect
 from pdserve.launcher import ClusterConfig
 from pdserve.transfer.cluster_auth import route_headers
 
@@ -27,8 +28,6 @@ def complete(url: str, prompt: str) -> str:
 
 
 def main(address: str, mode: str, transport: str, router_host: str, out: str) -> None:
-    import ray
-
     config = ClusterConfig(
         kv_transfer=mode,  # type: ignore[arg-type]
         transport=transport,  # type: ignore[arg-type]
@@ -37,6 +36,14 @@ def main(address: str, mode: str, transport: str, router_host: str, out: str) ->
         local_prefill_below=0,
     )
     ray_config = RayClusterConfig(config, RayConnection(address=address), actor_cpus=0.25)
+    connect(ray_config.connection)  # before importing ray (its authentication mode)
+    import ray
+
+    deadline = time.monotonic() + 180
+    while sum(n["Alive"] for n in ray.nodes()) < 2:  # the worker may still be joining
+        if time.monotonic() > deadline:
+            raise SystemExit("the worker node did not join")
+        time.sleep(0.5)
     with RayCluster(ray_config, TOKEN) as cluster:
         _, instance_cls, _ = remote_classes()
         spec = InstanceActorSpec("both-0", "both", None, "tcp", None, threads=1)
