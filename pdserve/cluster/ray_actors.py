@@ -15,7 +15,6 @@ Ray actor classes (imported lazily, so this module loads without Ray).
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import threading
@@ -154,16 +153,17 @@ class RouterHost:
     def __init__(self, spec: RouterActorSpec, cluster_token: str, registry: Any) -> None:
         import ray
 
-        from pdserve.router.app import create_app
+        from pdserve.server.serve import LISTEN_BACKLOG
 
         records = ray.get(registry.records.remote())
         config = _router_config(spec, cluster_token, records)
         sock = bind_socket(config.host, config.port)
-        sock.listen(2048)
+        sock.listen(LISTEN_BACKLOG)
         self.url = f"http://{config.host}:{config.port}"
-        app = create_app(config, RegistrySource(registry))
         server = threading.Thread(
-            target=_serve_router, args=(app, sock, spec.log_level), name="pdserve-router"
+            target=_serve_router,
+            args=(config, sock, spec.log_level, RegistrySource(registry)),
+            name="pdserve-router",
         )
         server.start()
         threading.Thread(target=_exit_after, args=(server,), daemon=True).start()
@@ -197,19 +197,13 @@ def _router_config(spec: RouterActorSpec, token: str, records: list[InstanceReco
     )
 
 
-def _serve_router(app: Any, sock: Any, log_level: str) -> None:
-    import uvicorn
-
-    from pdserve.server.serve import UVICORN_LOOP
+def _serve_router(config: Any, sock: Any, log_level: str, source: RegistrySource) -> None:
+    from pdserve.router.serve import serve_on
 
     logging.basicConfig(
         level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    config = uvicorn.Config(
-        app, log_level=log_level, loop=UVICORN_LOOP, timeout_graceful_shutdown=5
-    )
-    asyncio.set_event_loop(None)
-    uvicorn.Server(config).run(sockets=[sock])
+    serve_on(config, sock, log_level, membership=source)
 
 
 def remote_classes() -> tuple[Any, Any, Any]:
