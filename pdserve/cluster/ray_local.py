@@ -40,12 +40,13 @@ class RayConnection:
 
 
 def ray_environment(local: bool) -> dict[str, str]:
-    """The variables `connect` sets: loopback-only services and token authentication."""
-    env = {
-        "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
-        "RAY_AUTH_MODE": "token",
-        "RAY_USAGE_STATS_ENABLED": "0",
-    }
+    """The variables `connect` sets: token authentication, and for a local cluster
+    loopback-only services. (`RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0` makes Ray a one-node
+    cluster, which is what keeps it on loopback; nodes that join another cluster, as in
+    docs/multi-host.md, need it unset or 1.)"""
+    env = {"RAY_AUTH_MODE": "token", "RAY_USAGE_STATS_ENABLED": "0"}
+    if local:
+        env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     if local and not os.environ.get(RAY_TOKEN_ENV):
         env[RAY_TOKEN_ENV] = secrets.token_hex(32)
     return env
