@@ -62,7 +62,7 @@ def reference(ray_session: None) -> Iterator[dict[str, str]]:
         ray.kill(mono, no_restart=True)
 
 
-def _cluster(mode: str, num_prefill: int, num_decode: int):  # -> RayCluster
+def _cluster(mode: str, num_prefill: int, num_decode: int, *extra: str):  # -> RayCluster
     from pdserve.cluster.ray_cluster import RayCluster, RayClusterConfig
     from pdserve.launcher import ClusterConfig
 
@@ -72,7 +72,7 @@ def _cluster(mode: str, num_prefill: int, num_decode: int):  # -> RayCluster
         num_decode=num_decode,
         port=None,
         local_prefill_below=0,  # every prompt crosses from P to D
-        instance_args=("--num-kv-blocks", "128"),
+        instance_args=("--num-kv-blocks", "128", *extra),
     )
     return RayCluster(RayClusterConfig(config, actor_cpus=ACTOR_CPUS, drain_timeout_s=180), TOKEN)
 
@@ -128,14 +128,16 @@ def test_kill_9_of_an_actor_process_is_healed_by_ray(reference: dict[str, str]) 
 
 
 def test_scale_up_and_drain_under_load_lose_no_request(reference: dict[str, str]) -> None:
-    with _cluster("push", 1, 1) as cluster:
+    # Every engine step 30 ms longer, so that requests are still running when the drain
+    # starts, however fast this machine is.
+    with _cluster("push", 1, 1, "--fault-step-delay-ms", "30") as cluster:
         added = cluster.add_instance("decode")
         assert added.name == "decode-1"
         cluster.wait_router_sees(3)
         prompts = list(PROMPTS) * 3
         with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
             futures = [pool.submit(complete, cluster.router_url, p, 48) for p in prompts]
-            wait_for(lambda: any(_busy(cluster, n) for n in ("decode-0", "decode-1")), 120, "load")
+            wait_for(lambda: _busy(cluster, "decode-1"), 120, "requests on decode-1")
             cluster.remove_instance("decode-1")  # drained while requests run
             outputs = [f.result() for f in futures]
         assert all(outputs)

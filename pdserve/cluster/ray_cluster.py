@@ -324,7 +324,8 @@ def _alive(handle: Any) -> bool:
 
 def _load(url: str, token: str) -> LoadReport | None:
     try:
-        r = httpx.get(f"{url}/load", headers=route_headers(token, "/load"), timeout=2.0)
+        headers = route_headers(token, "/load")
+        r = httpx.get(f"{url}/load", headers=headers, timeout=2.0, trust_env=False)
         r.raise_for_status()
         return msgspec.json.decode(r.content, type=LoadReport)
     except (httpx.HTTPError, msgspec.DecodeError):

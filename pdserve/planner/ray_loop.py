@@ -126,7 +126,7 @@ class RayPlannerLoop:
 
     def _scrape(self) -> Buckets:
         try:
-            r = httpx.get(f"{self.cluster.router_url}/metrics", timeout=5.0)
+            r = httpx.get(f"{self.cluster.router_url}/metrics", timeout=5.0, trust_env=False)
             r.raise_for_status()
         except httpx.HTTPError as exc:
             log.warning("planner: cannot read the router's metrics: %s", exc)
