@@ -185,3 +185,35 @@ def test_planner_scales_up_under_load_and_down_when_idle(reference: dict[str, st
         for action in (Action.ADD_PREFILL, Action.REMOVE_PREFILL):
             labels = {"action": action.value}
             assert metrics.get_sample_value("pdserve_planner_decisions_total", labels) == 1
+
+
+def test_up_ray_command_prints_the_table_serves_and_stops(tmp_path: Path) -> None:
+    """`pdserve up --ray` itself: a local Ray cluster of its own, on loopback only, the
+    table, a completion, and everything gone after Ctrl-C."""
+    import subprocess
+    import sys
+
+    from pdserve.ports import free_port
+
+    port = free_port()
+    cmd = [sys.executable, "-m", "pdserve", "up", "--ray", "--ray-num-cpus", "2"]
+    cmd += ["--actor-cpus", str(ACTOR_CPUS), "--kv-transfer", "push", "--port", str(port)]
+    log = tmp_path / "up.log"
+    tree: set[int] = set()
+    with log.open("wb") as out:
+        up = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_for(lambda: "cluster token" in log.read_text(), 300, f"the table in {log}")
+        text = log.read_text()
+        rows = [line.split() for line in text.splitlines() if line.startswith("  ")]
+        roles = [row[0] for row in rows if row[0] in ("router", "prefill", "decode")]
+        assert roles == ["router", "prefill", "decode"], text
+        assert all("node" in row and "127.0.0.1" in row for row in rows[2:4]), text
+        assert complete(f"http://127.0.0.1:{port}", PROMPTS[0])
+        tree = descendants(up.pid)
+        assert len(tree) > 5 and non_loopback(tree) == []
+    finally:
+        up.send_signal(signal.SIGINT)
+        assert up.wait(timeout=120) == 0, log.read_text()[-3000:]
+    gone = [pid for pid in tree if Path(f"/proc/{pid}").exists()]
+    wait_for(lambda: not [p for p in gone if Path(f"/proc/{p}").exists()], 60, "Ray's exit")
