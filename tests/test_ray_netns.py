@@ -56,7 +56,7 @@ def _ray_start(ns: str, args: list[str], env: dict[str, str], log: Path) -> subp
     cmd = ["ip", "netns", "exec", ns, sys.executable, "-m", "ray.scripts.scripts", "start"]
     with log.open("wb") as out:
         return subprocess.Popen(
-            [*cmd, *args, "--include-dashboard=false", "--num-cpus=1", "--block"],
+            [*cmd, *args, "--num-cpus=1", "--block"],
             env=env,
             stdout=out,
             stderr=subprocess.STDOUT,
@@ -89,6 +89,7 @@ def two_nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[VethPa
             f"--node-ip-address={P_ADDR}",
             f"--port={GCS_PORT}",
             f"--temp-dir={tmp / 'head'}",
+            "--include-dashboard=false",
         ]
         nodes.append(_ray_start(pair.ns_p, head_args, env, tmp / "head.log"))
         time.sleep(5)  # the worker's first contact must find the GCS up
