@@ -93,7 +93,11 @@ def two_nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[VethPa
         ]
         nodes.append(_ray_start(pair.ns_p, head_args, env, tmp / "head.log"))
         time.sleep(5)  # the worker's first contact must find the GCS up
-        worker_args = [f"--address={P_ADDR}:{GCS_PORT}", f"--node-ip-address={D_ADDR}"]
+        worker_args = [
+            f"--address={P_ADDR}:{GCS_PORT}",
+            f"--node-ip-address={D_ADDR}",
+            f"--temp-dir={tmp / 'worker'}",  # its own: Ray's default is shared by the host
+        ]
         nodes.append(_ray_start(pair.ns_d, worker_args, env, tmp / "worker.log"))
         yield pair, env, nodes
     finally:
