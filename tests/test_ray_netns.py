@@ -18,12 +18,11 @@ import secrets
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from ray_harness import host_of, ray_available
+from ray_harness import host_of, ray_available, wait_for
 from test_netns_e2e import D_ADDR, P_ADDR, VethPair, _kv_bytes
 from test_pd_e2e import nixl_available
 
@@ -35,6 +34,7 @@ pytestmark = [
     ),
 ]
 
+RAY_STARTED = "Ray runtime started."  # what `ray start` prints once its node is up
 GCS_PORT = 6379  # the namespaces are new: every port is free
 DRIVER = Path(__file__).with_name("ray_netns_driver.py")
 
@@ -92,13 +92,15 @@ def two_nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[VethPa
             "--include-dashboard=false",
         ]
         nodes.append(_ray_start(pair.ns_p, head_args, env, tmp / "head.log"))
-        time.sleep(5)  # the worker's first contact must find the GCS up
+        # The worker's first contact must find the GCS up (else it exits).
+        wait_for(lambda: RAY_STARTED in (tmp / "head.log").read_text(), 180, "the Ray head")
         worker_args = [
             f"--address={P_ADDR}:{GCS_PORT}",
             f"--node-ip-address={D_ADDR}",
             f"--temp-dir={tmp / 'worker'}",  # its own: Ray's default is shared by the host
         ]
         nodes.append(_ray_start(pair.ns_d, worker_args, env, tmp / "worker.log"))
+        wait_for(lambda: RAY_STARTED in (tmp / "worker.log").read_text(), 180, "the worker")
         yield pair, env, nodes
     finally:
         for node in reversed(nodes):
