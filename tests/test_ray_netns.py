@@ -15,9 +15,11 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -81,6 +83,8 @@ def two_nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[VethPa
         pytest.skip("network namespaces are Linux-only")
     pair = VethPair.create()
     tmp = tmp_path_factory.mktemp("ray-netns")
+    # Ray's Unix socket paths must stay under 108 bytes: short session folders.
+    short = Path(tempfile.mkdtemp(prefix="pdrn-"))
     env = {**_ray_env(), "RAY_AUTH_TOKEN": secrets.token_hex(32)}
     nodes: list[subprocess.Popen[bytes]] = []
     try:
@@ -88,7 +92,7 @@ def two_nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[VethPa
             "--head",
             f"--node-ip-address={P_ADDR}",
             f"--port={GCS_PORT}",
-            f"--temp-dir={tmp / 'head'}",
+            f"--temp-dir={short / 'h'}",
             "--include-dashboard=false",
         ]
         nodes.append(_ray_start(pair.ns_p, head_args, env, tmp / "head.log"))
@@ -97,15 +101,19 @@ def two_nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[VethPa
         worker_args = [
             f"--address={P_ADDR}:{GCS_PORT}",
             f"--node-ip-address={D_ADDR}",
-            f"--temp-dir={tmp / 'worker'}",  # its own: Ray's default is shared by the host
+            f"--temp-dir={short / 'w'}",  # its own: Ray's default is shared by the host
         ]
         nodes.append(_ray_start(pair.ns_d, worker_args, env, tmp / "worker.log"))
-        wait_for(lambda: RAY_STARTED in (tmp / "worker.log").read_text(), 180, "the worker")
+        try:
+            wait_for(lambda: RAY_STARTED in (tmp / "worker.log").read_text(), 180, "the worker")
+        except AssertionError:
+            raise AssertionError((tmp / "worker.log").read_text()[-3000:]) from None
         yield pair, env, nodes
     finally:
         for node in reversed(nodes):
             _stop(node)
         pair.delete()
+        shutil.rmtree(short, ignore_errors=True)
 
 
 @pytest.mark.parametrize("transport", ["tcp", "nixl"])
