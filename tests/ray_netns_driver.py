@@ -52,10 +52,10 @@ def main(address: str, mode: str, transport: str, router_host: str, out: str) ->
         reference = [complete(mono_url, p) for p in PROMPTS]
         outputs = [complete(cluster.router_url, p) for p in PROMPTS]
         records = cluster.records()
-        decode = next(r for r in records if r.role == "decode")
-        metrics = httpx.get(
-            f"{decode.url}/metrics", headers=route_headers(TOKEN, "/metrics"), timeout=10
-        ).text
+        metrics = [  # push: P counts the KV bytes; pull: D
+            httpx.get(f"{r.url}/metrics", headers=route_headers(TOKEN, "/metrics"), timeout=10).text
+            for r in records
+        ]
         result = {
             "records": [
                 {"role": r.role, "url": r.url, "node_ip": r.node_ip, "node_id": r.node_id}
@@ -63,7 +63,7 @@ def main(address: str, mode: str, transport: str, router_host: str, out: str) ->
             ],
             "reference": reference,
             "outputs": outputs,
-            "decode_metrics": metrics,
+            "metrics": metrics,
         }
         ray.kill(mono, no_restart=True)
     with open(out, "w") as f:

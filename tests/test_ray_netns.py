@@ -136,7 +136,7 @@ def test_prefill_and_decode_on_two_nodes_kv_crosses_the_veth(
     assert by_role["prefill"]["node_ip"] == P_ADDR and by_role["decode"]["node_ip"] == D_ADDR
     assert by_role["prefill"]["node_id"] != by_role["decode"]["node_id"]
     assert by_role["decode"]["url"].startswith(f"http://{D_ADDR}:")
-    kv = _kv_bytes(result["decode_metrics"], "push")
+    kv = sum(_kv_bytes(m, "push") for m in result["metrics"])
     assert kv > 0 and pair.rx_bytes(pair.ns_d, pair.dev_d) - rx_before >= kv
     # A wildcard inside a namespace the test made reaches only its loopback and veth.
     bad = _foreign_sockets(pair, {P_ADDR, D_ADDR, "127.0.0.1", "::1", "0.0.0.0", "::", "*"})
