@@ -825,6 +825,9 @@ def main(args: argparse.Namespace) -> int:
         from pdserve.cluster.ray_up import main as ray_main
 
         return ray_main(args)
+    if args.planner or args.ray_address:
+        print("pdserve up: --planner and --ray-address need --ray", file=sys.stderr)
+        return 2
     logging.basicConfig(level=logging.INFO, format="pdserve up: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per health poll otherwise
     try:

@@ -107,3 +107,18 @@ def test_planner_decisions_are_deterministic(base: ClusterConfig) -> None:
     short = ShiftingTrace(TRACE.phases[:1], window_s=10.0)
     runs = [replay_planner(base, short, CFG, start=(1, 1)) for _ in range(2)]
     assert [w.decision for w in runs[0]] == [w.decision for w in runs[1]]
+
+
+def test_window_percentile_from_two_scrapes_of_a_histogram() -> None:
+    from pdserve.planner.observe import histogram_buckets, window_quantile
+
+    def exposition(counts: tuple[int, int, int]) -> str:
+        lines = ["# TYPE t histogram"]
+        for bound, count in zip(("0.1", "1.0", "+Inf"), counts, strict=True):
+            lines.append(f't_bucket{{le="{bound}"}} {count}')
+        return "\n".join([*lines, f"t_count {counts[-1]}", "t_sum 1.0", ""])
+
+    before = histogram_buckets(exposition((5, 5, 5)))["t"]
+    after = histogram_buckets(exposition((5, 15, 15)))["t"]  # ten new, all in (0.1, 1]
+    assert window_quantile(before, after, 0.5) == pytest.approx(0.55)
+    assert window_quantile(before, before, 0.9) is None  # nothing in the window
