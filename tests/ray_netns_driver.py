@@ -1,12 +1,14 @@
 """Run inside a network namespace by tests/test_ray_netns.py: join the two-node Ray cluster,
 start 1P1D (P on the head's node, D on the worker's), compare greedy outputs with a
-monolithic actor, and write what it saw as JSON to the path given."""
+monolithic actor, and write what it saw as JSON to the path given. With "leave" as the
+last argument it then has the test stop the worker node and follows decode's restart."""
 
 from __future__ import annotations
 
 import json
 import sys
 import time
+from pathlib import Path
 
 import httpx
 
@@ -27,7 +29,9 @@ def complete(url: str, prompt: str) -> str:
     return r.json()["choices"][0]["text"]
 
 
-def main(address: str, mode: str, transport: str, router_host: str, out: str) -> None:
+def main(
+    address: str, mode: str, transport: str, router_host: str, out: str, mode_of_test: str
+) -> None:
     config = ClusterConfig(
         kv_transfer=mode,  # type: ignore[arg-type]
         transport=transport,  # type: ignore[arg-type]
@@ -65,10 +69,38 @@ def main(address: str, mode: str, transport: str, router_host: str, out: str) ->
             "outputs": outputs,
             "metrics": metrics,
         }
+        if mode_of_test == "leave":
+            result["after_leave"] = _after_the_worker_leaves(cluster, out, reference)
         ray.kill(mono, no_restart=True)
     with open(out, "w") as f:
         json.dump(result, f)
 
 
+def _after_the_worker_leaves(cluster: RayCluster, out: str, reference: list[str]) -> dict:
+    """Tell the test to stop the worker node (a file), then wait until Ray has restarted
+    decode elsewhere and the router admitted it; serve the prompts again."""
+    Path(f"{out}.ready").touch()
+    decode = next(r for r in cluster.records() if r.role == "decode")
+    deadline = time.monotonic() + 300
+    changes: list[str] = []
+    while True:
+        changes += cluster.changes()
+        now = next(r for r in cluster.records() if r.role == "decode")
+        if now.pid != decode.pid:
+            break
+        if time.monotonic() > deadline:
+            raise SystemExit("decode was not restarted after its node left")
+        time.sleep(0.5)
+    cluster.wait_router_sees(2)
+    outputs = [complete(cluster.router_url, p) for p in PROMPTS]
+    return {
+        "decode_before": decode.node_ip,
+        "decode_after": now.node_ip,
+        "restarts": now.restarts,
+        "changes": changes + cluster.changes(),
+        "equal": outputs == reference,
+    }
+
+
 if __name__ == "__main__":
-    main(*sys.argv[1:6])
+    main(*sys.argv[1:7])

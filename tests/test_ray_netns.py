@@ -127,7 +127,7 @@ def test_prefill_and_decode_on_two_nodes_kv_crosses_the_veth(
     rx_before = pair.rx_bytes(pair.ns_d, pair.dev_d)
     out = tmp_path / "result.json"
     cmd = ["ip", "netns", "exec", pair.ns_p, sys.executable, str(DRIVER)]
-    args = [f"{P_ADDR}:{GCS_PORT}", "push", transport, P_ADDR, str(out)]
+    args = [f"{P_ADDR}:{GCS_PORT}", "push", transport, P_ADDR, str(out), "serve"]
     driver = subprocess.run([*cmd, *args], env=env, capture_output=True, text=True, timeout=600)
     assert driver.returncode == 0, driver.stdout[-3000:] + driver.stderr[-3000:]
     result = json.loads(out.read_text())
@@ -161,3 +161,33 @@ def _foreign_sockets(pair: VethPair, allowed: set[str]) -> list[str]:
 def _plain(host: str) -> str:
     """`[::ffff:10.0.0.1]` -> `10.0.0.1`."""
     return host.strip("[]").removeprefix("::ffff:")
+
+
+def test_a_node_that_leaves_takes_decode_with_it_and_ray_brings_it_back(
+    two_nodes: tuple[VethPair, dict, list], tmp_path: Path
+) -> None:
+    """Last in the module: it stops the worker node. Decode, placed there, dies with it;
+    Ray restarts it on the head (its placement was a preference), the router ejects the
+    old address and admits the new one, and requests succeed again."""
+    pair, env, nodes = two_nodes
+    out = tmp_path / "result.json"
+    cmd = ["ip", "netns", "exec", pair.ns_p, sys.executable, str(DRIVER)]
+    args = [f"{P_ADDR}:{GCS_PORT}", "push", "tcp", P_ADDR, str(out), "leave"]
+    driver = subprocess.Popen(
+        [*cmd, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    )
+    try:
+        ready = Path(f"{out}.ready")
+        wait_for(lambda: ready.exists() or driver.poll() is not None, 600, "the cluster")
+        assert driver.poll() is None, driver.stdout.read().decode()[-3000:] if driver.stdout else ""
+        _stop(nodes[1])  # the worker node leaves
+        output = driver.communicate(timeout=600)[0].decode()
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+            driver.wait()
+    assert driver.returncode == 0, output[-3000:]
+    after = json.loads(out.read_text())["after_leave"]
+    assert (after["decode_before"], after["decode_after"]) == (D_ADDR, P_ADDR)
+    assert after["restarts"] == 1 and after["equal"]
+    assert any("decode-0 restarted by Ray" in line and "moved" in line for line in after["changes"])
