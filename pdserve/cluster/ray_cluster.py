@@ -309,17 +309,22 @@ def _soft_affinity(node_id: str, soft: bool = True) -> Any:
     return NodeAffinitySchedulingStrategy(node_id=node_id, soft=soft)
 
 
-def _alive(handle: Any) -> bool:
-    """False once Ray says the actor is dead for good (a restarting one is alive)."""
+def _alive(handle: Any, attempts: int = 3) -> bool:
+    """False once Ray says the actor is dead for good. A call in flight when the process
+    died fails with ActorDiedError even if Ray restarts it (no task retries), so only
+    fresh calls that keep failing that way count; a call to a restarting actor waits."""
     import ray
 
-    try:
-        ray.get(handle.record.remote(), timeout=5.0)
-    except ray.exceptions.ActorDiedError:
-        return False
-    except (ray.exceptions.GetTimeoutError, ray.exceptions.ActorUnavailableError):
-        return True
-    return True
+    for attempt in range(attempts):
+        try:
+            ray.get(handle.record.remote(), timeout=5.0)
+            return True
+        except (ray.exceptions.GetTimeoutError, ray.exceptions.ActorUnavailableError):
+            return True
+        except ray.exceptions.ActorDiedError:
+            if attempt + 1 < attempts:
+                time.sleep(1.0)
+    return False
 
 
 def _load(url: str, token: str) -> LoadReport | None:
