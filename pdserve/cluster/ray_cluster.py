@@ -309,10 +309,11 @@ def _soft_affinity(node_id: str, soft: bool = True) -> Any:
     return NodeAffinitySchedulingStrategy(node_id=node_id, soft=soft)
 
 
-def _alive(handle: Any, attempts: int = 3) -> bool:
-    """False once Ray says the actor is dead for good. A call in flight when the process
-    died fails with ActorDiedError even if Ray restarts it (no task retries), so only
-    fresh calls that keep failing that way count; a call to a restarting actor waits."""
+def _alive(handle: Any, attempts: int = 10) -> bool:
+    """False once Ray says the actor is dead for good. Calls made before Ray has noticed
+    the death (a node that left: seconds) fail with ActorDiedError even if Ray then
+    restarts it, so only fresh calls that keep failing that way for about 15 s count; a
+    call to a restarting actor waits."""
     import ray
 
     for attempt in range(attempts):
@@ -323,7 +324,7 @@ def _alive(handle: Any, attempts: int = 3) -> bool:
             return True
         except ray.exceptions.ActorDiedError:
             if attempt + 1 < attempts:
-                time.sleep(1.0)
+                time.sleep(1.5)
     return False
 
 
