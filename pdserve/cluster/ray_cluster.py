@@ -8,8 +8,8 @@ actors of a node that leaves with it. The router learns every change from the re
 
 - placement preference: prefill instances on one half of the alive nodes and decode
   instances on the other (soft node affinity: Ray may place or restart them elsewhere),
-  the router on the driver's node; each instance asks for `actor_cpus` CPUs and, on a
-  node that has GPUs, one GPU;
+  the router and the registry on the driver's node; each instance asks for `actor_cpus`
+  CPUs and, on a node that has GPUs, one GPU;
 - scaling: `add_instance` and `remove_instance`, which drains first (the registry marks it
   draining, the router acknowledges that it picks it no more, the instance's own `/load`
   shows nothing running, waiting or held), then kills the actor;
@@ -95,7 +95,11 @@ class RayCluster:
         self._connected = True
         try:
             registry_cls, _, _ = remote_classes()
-            self._registry = registry_cls.options(num_cpus=0).remote()
+            # On the driver's node, like the router: its state must outlive any other node.
+            here = ray.get_runtime_context().get_node_id()
+            self._registry = registry_cls.options(
+                num_cpus=0, scheduling_strategy=_soft_affinity(here, soft=False)
+            ).remote()
             c = self.config.cluster
             pending = [self._create("prefill") for _ in range(c.num_prefill)]
             pending += [self._create("decode") for _ in range(c.num_decode)]
