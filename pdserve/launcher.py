@@ -716,10 +716,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="how long a start (or a restart) may take to become healthy (default: %(default)s)",
     )
     _add_restart_arguments(parser)
-    # Imported here: pdserve.cluster builds on this module (its flags import nothing of Ray).
-    from pdserve.cluster.ray_args import add_arguments as add_ray_arguments
-
-    add_ray_arguments(parser)
     parser.add_argument(
         "instance_args", nargs=argparse.REMAINDER, help="-- then extra arguments for every instance"
     )
@@ -821,13 +817,6 @@ def main(args: argparse.Namespace) -> int:
     # Imported here: the supervisor is built on this module's `Cluster`.
     from pdserve.supervisor import Supervisor
 
-    if args.ray:  # the same cluster as Ray actors (pdserve.cluster.ray_up)
-        from pdserve.cluster.ray_up import main as ray_main
-
-        return ray_main(args)
-    if args.planner or args.ray_address:
-        print("pdserve up: --planner and --ray-address need --ray", file=sys.stderr)
-        return 2
     logging.basicConfig(level=logging.INFO, format="pdserve up: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per health poll otherwise
     try:

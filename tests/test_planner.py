@@ -7,7 +7,8 @@ import pytest
 
 from pdserve.planner.config import PlannerConfig
 from pdserve.planner.policy import Action, Observation, PlannerState, decide
-from pdserve.planner.sim_replay import (
+from pdserve.sim.cluster import ClusterConfig
+from pdserve.sim.planner_replay import (
     SHIFT_PLANNER,
     SHIFT_TRACE,
     ShiftingTrace,
@@ -15,7 +16,6 @@ from pdserve.planner.sim_replay import (
     replay_fixed,
     replay_planner,
 )
-from pdserve.sim.cluster import ClusterConfig
 from pdserve.sim.profiles import load_hardware, load_model, load_software
 
 CFG = SHIFT_PLANNER

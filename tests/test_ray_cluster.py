@@ -156,9 +156,9 @@ def test_planner_scales_up_under_load_and_down_when_idle(reference: dict[str, st
     """The planner's real loop on Ray (2 cores: the mechanism, not the speed): long prompts
     in flight push TTFT over a tight target, so it adds a prefill instance; an idle window
     then shows prefill well within target, so it drains one again."""
+    from pdserve.cluster.planner_loop import RayPlannerLoop
     from pdserve.planner.config import PlannerConfig
     from pdserve.planner.policy import Action
-    from pdserve.planner.ray_loop import RayPlannerLoop
 
     cfg = PlannerConfig(
         ttft_target_s=0.05,

@@ -15,6 +15,7 @@ Ray actor classes (imported lazily, so this module loads without Ray).
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 import threading
@@ -49,7 +50,7 @@ class InstanceActorSpec:
     startup_timeout_s: float = 300.0
 
     def serve_argv(self, host: str, port: int, side_port: int) -> list[str]:
-        argv = ["serve", "--role", self.role, "--host", host, "--port", str(port)]
+        argv = ["--role", self.role, "--host", host, "--port", str(port)]
         if self.kv_transfer is not None:
             argv += ["--kv-transfer", self.kv_transfer, "--transport", self.transport]
             argv += ["--kv-host", host, "--side-channel-port", str(side_port)]
@@ -71,13 +72,12 @@ class InstanceHost:
     def __init__(self, spec: InstanceActorSpec, cluster_token: str, registry: Any) -> None:
         import ray
 
-        from pdserve.cli import parse_args
         from pdserve.server.serve import main as serve_main
 
         os.environ[TOKEN_ENV] = cluster_token  # what `pdserve serve` reads
         host = node_ip()
         port, side_port = free_ports(2, host)
-        args = parse_args(spec.serve_argv(host, port, side_port))
+        args = _serve_args(spec.serve_argv(host, port, side_port))
         self.url = f"http://{host}:{port}"
         server = threading.Thread(target=serve_main, args=(args,), name="pdserve-serve")
         server.start()
@@ -92,6 +92,17 @@ class InstanceHost:
     def record(self) -> InstanceRecord:
         """Where this incarnation serves (the registry's copy, with its restart count)."""
         return self._record
+
+
+def _serve_args(argv: list[str]) -> argparse.Namespace:
+    """`pdserve serve`'s parsed flags, as its command line would give them."""
+    from pdserve.server import serve
+
+    parser = argparse.ArgumentParser(prog="pdserve serve")
+    serve.add_arguments(parser)
+    args = parser.parse_args(argv)
+    serve.check_args(args, parser)
+    return args
 
 
 def _registry_role(role: ActorRole) -> Literal["prefill", "decode"]:

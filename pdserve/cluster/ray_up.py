@@ -2,7 +2,7 @@
 
 Prints the same table as `pdserve up` (role, URL, PID of the process that serves it, its
 node), then watches: each restart or move Ray makes is printed with the instance's new
-row, and with `--planner` each planner decision too (`pdserve.planner.ray_loop`). Ctrl-C
+row, and with `--planner` each planner decision too (`pdserve.cluster.planner_loop`). Ctrl-C
 or SIGTERM stops the actors (and a local Ray cluster).
 """
 
@@ -88,8 +88,8 @@ class _StopRequest:
 
 
 def _watch(cluster: RayCluster, stop: threading.Event, planner: object) -> None:
+    from pdserve.cluster.planner_loop import RayPlannerLoop
     from pdserve.planner.config import PlannerConfig
-    from pdserve.planner.ray_loop import RayPlannerLoop
 
     loop = RayPlannerLoop(cluster, planner) if isinstance(planner, PlannerConfig) else None
     next_plan = time.monotonic() + (loop.cfg.interval_s if loop else 0.0)

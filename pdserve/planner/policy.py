@@ -2,7 +2,7 @@
 
 `decide` is a pure function of the config, the window's `Observation` and the planner's
 `PlannerState` (decisions since the last change), so the same code runs in the simulator
-(`pdserve.planner.sim_replay`) and on a Ray cluster (`pdserve.planner.ray_loop`), and its
+(`pdserve.sim.planner_replay`) and on a Ray cluster (`pdserve.cluster.planner_loop`), and its
 decisions on a trace are deterministic.
 
 Rules, one change at most per decision (a role's hot/cold is defined in `PlannerConfig`):

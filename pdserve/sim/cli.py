@@ -209,7 +209,7 @@ def main(args: argparse.Namespace) -> int:
     if args.validate:
         return _validate(args.validate)
     if args.planner_shift:
-        from pdserve.planner.sim_replay import shift_report
+        from pdserve.sim.planner_replay import shift_report
 
         print(shift_report(config_from_args(args).cluster))
         return 0
