@@ -11,6 +11,7 @@ import argparse
 import importlib
 import sys
 from collections.abc import Sequence
+from types import ModuleType
 
 from pdserve import __version__
 
@@ -40,13 +41,46 @@ BENCH_COMMANDS: tuple[tuple[str, str, str], ...] = (
 )
 
 
+# Packages only the tools need, by the extra that installs them (pyproject.toml): the serving
+# commands (serve, router, up) never import them.
+TOOL_EXTRAS: dict[str, str] = {"matplotlib": "bench", "tqdm": "bench", "httpx_sse": "bench"}
+
+
+class MissingExtra(SystemExit):
+    """A tool command was run without the extra that installs its packages."""
+
+
+def _missing_extra(exc: ModuleNotFoundError, module: str) -> MissingExtra | None:
+    package = (exc.name or "").split(".")[0]
+    extra = TOOL_EXTRAS.get(package)
+    if extra is None:
+        return None
+    if module.startswith("pdserve.sim"):
+        extra = "sim"
+    return MissingExtra(
+        f"pdserve: this command needs the '{extra}' extra (missing package {package!r}); "
+        f"install it with: pip install 'pdserve[{extra}]'"
+    )
+
+
+def _import_command(module: str) -> ModuleType:
+    """The command's module; a missing tool-only package becomes a clear message (exit 1)."""
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as exc:
+        missing = _missing_extra(exc, module)
+        if missing is None:
+            raise
+        raise missing from exc
+
+
 def _add(
     sub: argparse._SubParsersAction, name: str, module: str, help_: str, load: bool
 ) -> argparse.ArgumentParser:
     parser = sub.add_parser(name, help=help_, description=help_)
     parser.set_defaults(_module=module, _parser=parser)
     if load:  # only the chosen command's module is imported (fast --help, isolated failures)
-        importlib.import_module(module).add_arguments(parser)
+        _import_command(module).add_arguments(parser)
     return parser
 
 
@@ -77,7 +111,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser: argparse.ArgumentParser = args._parser
     if extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    check = getattr(importlib.import_module(args._module), "check_args", None)
+    check = getattr(_import_command(args._module), "check_args", None)
     if check is not None:
         check(args, parser)
     return args
@@ -104,7 +138,14 @@ def _with_config_file(argv: list[str]) -> list[str]:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `pdserve` console script."""
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
-    return int(importlib.import_module(args._module).main(args) or 0)
+    command = _import_command(args._module)
+    try:
+        return int(command.main(args) or 0)
+    except ModuleNotFoundError as exc:  # a tool that imports a package when it needs it
+        missing = _missing_extra(exc, args._module)
+        if missing is None:
+            raise
+        raise missing from exc
 
 
 if __name__ == "__main__":

@@ -44,6 +44,9 @@ class CacheConfig:
     block_size: int = 16
     kv_cache_memory_gib: float = 0.25
     num_blocks: int | None = None  # overrides the memory budget (tests)
+    # Reuse the KV of full blocks whose token prefix was computed before (on by default, as
+    # in vLLM; `--no-enable-prefix-caching` turns it off). See pdserve.engine.scheduler.
+    enable_prefix_caching: bool = True
 
 
 @dataclass(frozen=True)

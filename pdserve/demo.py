@@ -11,7 +11,7 @@ go to `results/demo/`.
 
 The numbers are one run on a small shared machine: compare push with pull at the same
 point (the ratio table), not with other runs. `pdserve bench sweep --help` runs bigger
-grids; docs/benchmarks.md has a full sweep.
+grids; docs/results.md has the current full sweep.
 """
 
 from __future__ import annotations

@@ -15,8 +15,9 @@ instance gets its own equal share (2 cores, 1P1D: P on core 0, D on core 1), pin
 `sched_setaffinity` on the child's PID right after it starts (before the interpreter has
 made any thread, so every later thread inherits it) and told `--threads` to match. The
 router shares the prefill instances' cores: left unpinned, the scheduler moves it onto the
-decode core whenever P is busy, which measurably slows decoding (docs/benchmarks.md,
-"Decode TPOT with KV transfers in flight"). `check_pinning` verifies every thread afterwards.
+decode core whenever P is busy, which measurably slows decoding (docs/results.md,
+"keep load generators and the router off D's core"). `check_pinning` verifies every thread
+afterwards.
 
 `cores` (`--cores`) narrows the cores shared out to a given list; with fewer cores than
 instances, every instance is pinned to all of them. `--monolithic --cores 0` is the baseline
@@ -24,6 +25,13 @@ with one prefill instance's compute (`mono1` in `pdserve bench sweep`).
 
 Monolithic (`--monolithic`): one `--role both` instance and no router; `router_url` is then
 the instance's URL, so a benchmark reaches the floor through the same API.
+
+Engine (`--engine vllm`): every instance is `pdserve serve --engine vllm`, which becomes
+vLLM's OpenAI server in the same process (pdserve.vllm.instance), with the KV connector
+`--connector` names (pdserve's, or vLLM's NixlConnector / NixlPushConnector) listening on
+the instance's side-channel port under the engine id `<role>-<index>`; the router is told
+so (`--engine vllm`, and each prefill instance's `--prefill-peer`, which a push D leg names).
+Table, pinning, logs and supervision are the same.
 
 Cluster token: every instance and the router get one in `$PDSERVE_CLUSTER_TOKEN` (the
 config's, else the launcher's own environment's, else a fresh `secrets.token_hex`), so
@@ -78,6 +86,7 @@ from pdserve.ports import EXIT_ADDRESS_IN_USE, free_ports, listens
 from pdserve.restarts import GiveUp, RestartPolicy
 from pdserve.router.config import POLICY_NAMES
 from pdserve.server.exposure import up_warning
+from pdserve.vllm.instance import CONNECTORS, ENGINES, Connector, Engine
 
 if TYPE_CHECKING:
     from pdserve.supervisor import Event, Supervisor
@@ -112,6 +121,9 @@ class ClusterConfig:
     num_prefill: int = 1
     num_decode: int = 1
     transport: Literal["tcp", "nixl"] = "tcp"
+    engine: Engine = "pdserve"  # the instances' (module doc)
+    connector: Connector = "pdserve"  # with engine "vllm": whose KV connector vLLM runs
+    vllm_python: str | None = None  # with engine "vllm": None, `pdserve serve`'s default
     model: str | None = None  # None: the instances' default model
     host: str = "127.0.0.1"  # where the router (or the monolithic instance) listens
     port: int | None = None  # its port; None: a free one
@@ -155,6 +167,9 @@ class InstanceSpec:
     cores: tuple[int, ...] | None  # pinned to these; None: unpinned
     extra_args: tuple[str, ...]
     side_port: int | None = None  # P/D side-channel port; None: the instance picks one
+    engine: Engine = "pdserve"
+    connector: Connector = "pdserve"
+    vllm_python: str | None = None
 
     @property
     def threads(self) -> int | None:
@@ -183,7 +198,24 @@ def serve_command(spec: InstanceSpec) -> list[str]:
         cmd += ["--threads", str(spec.threads)]
     if spec.side_port is not None and not _has_flag(spec.extra_args, "--side-channel-port"):
         cmd += ["--side-channel-port", str(spec.side_port)]
-    return cmd + list(spec.extra_args)
+    return cmd + _engine_args(spec) + list(spec.extra_args)
+
+
+def _engine_args(spec: InstanceSpec) -> list[str]:
+    """`--engine vllm` and what goes with it; nothing for pdserve's engine."""
+    if spec.engine == "pdserve":
+        return []
+    cmd = ["--engine", spec.engine, "--connector", spec.connector]
+    if spec.vllm_python is not None:
+        cmd += ["--vllm-python", spec.vllm_python]
+    if spec.kv_transfer is not None:  # the id the router gives D for this P (push)
+        cmd += ["--engine-id", spec.name]
+    return cmd
+
+
+def prefill_peer(spec: InstanceSpec) -> str:
+    """A vLLM prefill instance as the router's `--prefill-peer` names it."""
+    return f"{spec.name}@127.0.0.1:{spec.side_port}"
 
 
 def _has_flag(args: Sequence[str], flag: str) -> bool:
@@ -213,6 +245,16 @@ class ManagedProcess:
     def alive(self) -> bool:
         """Not exited yet (reaps it if it has)."""
         return self.popen.poll() is None
+
+    def kill_leftovers(self) -> None:
+        """After it exited: SIGKILL what is left of a vLLM instance's session (its engine
+        core and worker). vLLM's engine core does not die with its API server, and a
+        leftover one would keep the side-channel port a restart needs. The child was started
+        as the leader of its own session, so its process group is the instance's own."""
+        if self.spec is None or self.spec.engine != "vllm" or self.alive():
+            return
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.pid, signal.SIGKILL)
 
     def log_tail(self, lines: int = _LOG_TAIL_LINES) -> str:
         """The last lines of its log file."""
@@ -307,6 +349,7 @@ class Cluster:
                 log.warning("%s (pid %d) ignored SIGTERM: killing it", p.name, p.pid)
                 p.popen.kill()
                 p.popen.wait()
+            p.kill_leftovers()
 
     def __enter__(self) -> Cluster:
         return self.start()
@@ -354,6 +397,7 @@ class Cluster:
         if old.alive():
             old.popen.kill()
         old.popen.wait()
+        old.kill_leftovers()
         if old is self.router:
             self.router = self._start_router(_port_of(old.url), restarts=old.restarts + 1)
             return self.router
@@ -461,6 +505,9 @@ class Cluster:
                     cores,
                     c.instance_args,
                     side_port=next(free) if pd else None,
+                    engine=c.engine,
+                    connector=c.connector,
+                    vllm_python=c.vllm_python,
                 )
             )
         return specs
@@ -503,6 +550,9 @@ class Cluster:
             cmd += ["--local-prefill-below", str(c.local_prefill_below)]
         if c.router_log_level is not None:
             cmd += ["--log-level", c.router_log_level]
+        if c.engine == "vllm":
+            cmd += ["--engine", "vllm", "--connector", c.connector, "--prefill-peer"]
+            cmd += [prefill_peer(p.spec) for p in self.instances if p.role == "prefill" and p.spec]
         url = f"http://{_connect_host(c.host)}:{port}"
         cores = self._prefill_cores()
         # The router gets the cluster token too (for authenticated calls to the instances),
@@ -653,6 +703,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill", type=int, default=1, metavar="N", help="prefill instances")
     parser.add_argument("--decode", type=int, default=1, metavar="M", help="decode instances")
     parser.add_argument("--transport", choices=("tcp", "nixl"), default="tcp")
+    parser.add_argument(
+        "--engine",
+        choices=ENGINES,
+        default="pdserve",
+        help="the instances' engine: pdserve's, or vLLM's OpenAI server (needs a Hugging "
+        "Face --model directory and a vLLM python) (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--connector",
+        choices=CONNECTORS,
+        default="pdserve",
+        help="--engine vllm: pdserve's KV transfer inside vLLM (with --transport), or vLLM's "
+        "own NixlConnector (pull) / NixlPushConnector (push) (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--vllm-python",
+        metavar="PATH",
+        help="--engine vllm: python of a venv with vLLM (default: `pdserve serve`'s)",
+    )
     parser.add_argument("--model", help="passed to every instance (default: theirs)")
     parser.add_argument("--host", default="127.0.0.1", help="where the router listens")
     parser.add_argument("--port", type=int, default=8000, help="the router's port")
@@ -794,6 +863,9 @@ def config_from_args(args: argparse.Namespace) -> ClusterConfig:
         num_prefill=args.prefill,
         num_decode=args.decode,
         transport=args.transport,
+        engine=args.engine,
+        connector=args.connector,
+        vllm_python=args.vllm_python,
         model=args.model,
         host=args.host,
         port=args.port,
@@ -895,6 +967,8 @@ class _StopRequest:
 def _print_summary(cluster: Cluster, token_path: Path) -> None:
     c = cluster.config
     what = "monolithic" if c.monolithic else f"kv-transfer {c.kv_transfer}, policy {c.policy}"
+    if c.engine == "vllm":
+        what += ", engine vllm" + ("" if c.monolithic else f", connector {c.connector}")
     print(f"\npdserve up: ready ({what})\n  URL      {cluster.router_url}", flush=True)
     for p in cluster.processes:
         print(_status_row(p))

@@ -80,9 +80,13 @@ class Pair:
                 raise TimeoutError("scenario did not finish")
             self.step(only)
 
-    def submit_p(self, rid: str, ids: list[int], tid: str | None = None) -> None:
+    def submit_p(
+        self, rid: str, ids: list[int], tid: str | None = None, sp: SamplingParams | None = None
+    ) -> None:
+        """P's leg: one greedy token unless `sp` says otherwise (the router sends the
+        client's sampling fields with max_tokens=1)."""
         kv = KVTransferParams(do_remote_decode=True, transfer_mode=self.mode, transfer_id=tid)
-        sp = SamplingParams(max_tokens=1, temperature=0.0)
+        sp = sp or SamplingParams(max_tokens=1, temperature=0.0)
         self.p.add_request(
             EngineRequest(request_id=rid, prompt_token_ids=ids, params=sp, kv_transfer=kv)
         )
@@ -104,17 +108,19 @@ class Pair:
             remote_port=port,
         )
 
-    def generate(self, rid: str, ids: list[int], sp: SamplingParams) -> RequestOutput:
+    def generate(
+        self, rid: str, ids: list[int], sp: SamplingParams, p_sp: SamplingParams | None = None
+    ) -> RequestOutput:
         """One request through the pair as the router would send it; D's last output."""
         if self.mode == "pull":
-            self.submit_p(rid + "-p", ids)
+            self.submit_p(rid + "-p", ids, sp=p_sp)
             self.run_until(lambda: self.finished(rid + "-p"))
             kv = self.finished(rid + "-p").kv_transfer_params
             params = KVTransferParams(**{**_fields(kv), "do_remote_prefill": True})
             self.submit_d(rid, ids, sp, params)
         else:
             tid = uuid.uuid4().hex
-            self.submit_p(rid + "-p", ids, tid)
+            self.submit_p(rid + "-p", ids, tid, p_sp)
             self.submit_d(rid, ids, sp, self.push_params(tid))
         self.run_until(lambda: self.finished(rid))
         return self.finished(rid)

@@ -270,3 +270,20 @@ def test_custom_bad_line_names_its_number(tmp_path: Path, bad_line: str, needle:
     path = _write(tmp_path, ['{"prompt": "ok"}', bad_line])
     with pytest.raises(TraceError, match=rf"trace\.jsonl:2: .*{needle}"):
         load_custom(path)
+
+
+def test_multiturn_turns_extend_their_conversation_after_a_shared_system_prompt() -> None:
+    from pdserve.bench.dataset import MultiTurnConfig, sample_multiturn
+
+    cfg = MultiTurnConfig(system_len=20, user_len=5, turns=3, output_len=4)
+    reqs = sample_multiturn(cfg, 7, np.random.default_rng(3))  # 3 conversations, last cut
+    assert len(reqs) == 7
+    first, second = reqs[:3], reqs[3:6]
+    system = first[0].prompt[:20]
+    assert all(r.prompt[:20] == system for r in reqs)
+    assert len({tuple(r.prompt) for r in first}) == 3  # different user messages
+    for before, after in zip(first, second, strict=True):
+        assert after.prompt[: len(before.prompt)] == before.prompt
+        assert after.prompt_len == len(before.prompt) + 4 + 5 and after.output_len == 4
+    again = sample_multiturn(cfg, 7, np.random.default_rng(3))
+    assert [r.prompt for r in again] == [r.prompt for r in reqs]

@@ -67,3 +67,12 @@ def test_stop_matches_first_occurrence(text: str, stop: str) -> None:
         assert stopped and out == text[: text.index(stop)]
     else:
         assert not stopped and out == text
+
+
+def test_stop_strings_wait_for_check_stop() -> None:
+    """Before a request's `min_tokens` a stop string neither stops nor cuts the text."""
+    d = IncrementalDetokenizer(ByteDecoder(), ["b"])
+    assert [d.append(x, check_stop=False) for x in b"abab"] == [False] * 4
+    assert d.append(ord("c"), check_stop=True) is False  # the old "b"s are not looked for
+    assert d.append(ord("b"), check_stop=True) is True
+    assert d.take(final=True) == "ababc"

@@ -138,14 +138,19 @@ def sampling_fields() -> dict[str, st.SearchStrategy[Any]]:
         "stop": field(short_text | st.lists(short_text, max_size=4), st.lists(short_text)),
         "stop_token_ids": field(st.lists(st.integers(0, 258), max_size=4), st.lists(token_ids)),
         "ignore_eos": maybe(st.booleans()),
-        "n": field(st.just(1), small_ints),
+        "n": field(st.integers(1, 3), small_ints),
         "stream": maybe(st.booleans()),
         "stream_options": maybe(
             st.fixed_dictionaries({}, optional={"include_usage": maybe(st.booleans())})
         ),
-        "presence_penalty": field(st.just(0.0) | st.none(), st.floats()),
-        "frequency_penalty": field(st.just(0.0) | st.none(), st.floats()),
-        "logit_bias": field(st.just({}) | st.none(), st.dictionaries(short_text, st.floats())),
+        "presence_penalty": field(st.floats(-2, 2) | st.none(), st.floats()),
+        "frequency_penalty": field(st.floats(-2, 2) | st.none(), st.floats()),
+        "repetition_penalty": field(st.floats(0.5, 2) | st.none(), st.floats()),
+        "min_tokens": field(st.integers(0, 1), any_int),
+        "logit_bias": field(
+            st.none() | st.dictionaries(st.integers(0, 258).map(str), st.floats(-100, 100)),
+            st.dictionaries(short_text, st.floats()),
+        ),
         "user": maybe(short_text),
         "kv_transfer_params": field(st.none(), kv_params()),
         "unknown_extension": json_values,
@@ -166,8 +171,8 @@ def completion_bodies() -> st.SearchStrategy[Any]:
     )
     fields = {
         **sampling_fields(),
-        "logprobs": field(st.none(), small_ints),
-        "echo": field(st.just(False), st.booleans()),
+        "logprobs": field(st.none() | st.integers(0, 5), small_ints),
+        "echo": maybe(st.booleans()),
         "suffix": field(st.none() | st.just(""), short_text),
         "best_of": field(st.none() | st.just(1), small_ints),
         "return_token_ids": maybe(st.booleans()),
@@ -189,8 +194,8 @@ def chat_bodies() -> st.SearchStrategy[Any]:
     fields = {
         **sampling_fields(),
         "max_completion_tokens": field(st.integers(1, 6), small_ints),
-        "logprobs": field(st.none() | st.just(False), st.booleans()),
-        "top_logprobs": field(st.none(), small_ints),
+        "logprobs": maybe(st.booleans()),
+        "top_logprobs": field(st.none() | st.integers(0, 5), small_ints),
         "tools": field(st.none(), st.lists(json_values, max_size=1)),
         "tool_choice": field(st.none() | st.just("none"), json_values),
         "response_format": field(

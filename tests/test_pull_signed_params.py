@@ -22,6 +22,7 @@ import torch
 
 from pdserve.config import ModelConfig
 from pdserve.model.loader import LoadedModel, load_model
+from pdserve.token_logprob import TokenLogprob
 from pdserve.transfer.params import (
     InvalidKVTransferParams,
     KVTransferParams,
@@ -199,6 +200,7 @@ def test_sign_and_verify_cover_every_field_d_uses() -> None:
         "first_token_id": 8,
         "prefill_done_time": 1.25,
         "expires_at": signed.expires_at + 1,
+        "first_token_logprobs": TokenLogprob(7, -0.5, 1, [7], [-0.5]),
     }
     for name, value in changes.items():
         with pytest.raises(InvalidKVTransferParams, match="signature"):

@@ -23,9 +23,12 @@ def test_flags_reach_the_configs(monkeypatch: pytest.MonkeyPatch) -> None:
     argv += ["--block-size", "8", "--max-num-batched-tokens", "256", "--max-num-seqs", "4"]
     argv += ["--max-prefill-chunk", "64", "--threads", "1", "--host", "0.0.0.0", "--port", "0"]
     argv += ["--served-model-name", "m", "--api-key", "k", "--log-level", "debug"]
+    argv += ["--no-enable-prefix-caching"]
     engine, server = configs_from_args(parse_args(argv))
     assert engine.model == ModelConfig(model="/m", dtype="bfloat16", max_model_len=512, seed=7)
-    assert engine.cache == CacheConfig(block_size=8, kv_cache_memory_gib=0.5, num_blocks=40)
+    assert engine.cache == CacheConfig(
+        block_size=8, kv_cache_memory_gib=0.5, num_blocks=40, enable_prefix_caching=False
+    )
     assert engine.scheduler == SchedulerConfig(
         max_num_batched_tokens=256, max_num_seqs=4, max_prefill_chunk=64
     )

@@ -169,8 +169,8 @@ def test_stop_string(client: openai.OpenAI, model: str) -> None:
         ({"prompt": "x", "top_p": 0}, 400, "top_p"),
         ({"prompt": [10**7]}, 400, "prompt"),
         ({"prompt": "x", "max_tokens": "3"}, 400, "max_tokens"),
-        ({"prompt": "x", "n": 2}, 400, "n"),
-        ({"prompt": "x", "logprobs": 2}, 400, "logprobs"),
+        ({"prompt": "x", "n": 100}, 400, "n"),
+        ({"prompt": "x", "logprobs": 30}, 400, "logprobs"),
         ({"prompt": "x", "model": "no-such-model"}, 404, "model"),
     ],
 )

@@ -92,3 +92,10 @@ def test_protocol_gauges_are_gauges() -> None:
 def test_empty_pool_reports_zero_usage() -> None:
     s = _samples(ServerMetrics(lambda: _stats(kv_blocks_total=0), MODEL, block_size=16))
     assert s[("pdserve:kv_cache_usage_perc", (("model_name", MODEL),))] == 0
+
+
+def test_prefix_cache_counters_are_token_counters() -> None:
+    m = ServerMetrics(lambda: _stats(prefix_cache_queries=120, prefix_cache_hits=48), MODEL, 16)
+    samples = _samples(m)
+    assert samples[("pdserve_prefix_cache_queries_total", ())] == 120
+    assert samples[("pdserve_prefix_cache_hits_total", ())] == 48

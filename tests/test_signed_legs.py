@@ -41,7 +41,7 @@ from pdserve.transfer.cluster_auth import (
     route_proof,
     sign_leg,
 )
-from pdserve.transfer.params import parse_kv_transfer_params
+from pdserve.transfer.params import InvalidKVTransferParams, parse_kv_transfer_params
 from pdserve.transfer.release import SIGNATURE_HEADER, release_signature
 from tests.pd_harness import make_engine
 from tests.test_fuzz_kv_params import GREEDY, PD, PROMPT, Served, make_pd, serve
@@ -326,3 +326,13 @@ def test_router_instances_needs_a_proof_of_the_token() -> None:
         assert r.status_code == 200 and {i["url"] for i in r.json()} == {p.url, d.url}
         assert httpx.get(f"{url}/health").status_code == 200
         assert httpx.get(f"{url}/metrics").status_code == 200
+
+
+@pytest.mark.parametrize(
+    "raw", [{"transfer_mode": "\ud800"}, {"\ud800": 1}, {"do_remote_decode": True, "x\udfff": 0}]
+)
+def test_params_with_lone_surrogates_are_invalid_not_a_crash(raw: dict[str, object]) -> None:
+    """Found by the instance fuzzer: msgspec encodes keys and enum values to match them,
+    so a lone surrogate raised UnicodeEncodeError (a 500) instead of a 400."""
+    with pytest.raises(InvalidKVTransferParams, match="valid Unicode"):
+        parse_kv_transfer_params(raw)

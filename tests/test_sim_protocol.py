@@ -15,7 +15,7 @@ import pytest
 from pdserve.bench.arrivals import ArrivalConfig
 from pdserve.bench.dataset import RandomDatasetConfig
 from pdserve.bench.serve import BenchConfig
-from pdserve.sim.cluster import ClusterConfig
+from pdserve.sim.cluster_config import ClusterConfig
 from pdserve.sim.costs import CostModel, SeqWork
 from pdserve.sim.profiles import HardwareProfile, ModelProfile, SoftwareProfile
 from pdserve.sim.run import SimConfig, run_sim, simulate

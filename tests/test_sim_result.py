@@ -13,7 +13,7 @@ from pdserve.bench.dataset import RandomDatasetConfig
 from pdserve.bench.metrics import load_result, save_result
 from pdserve.bench.serve import BenchConfig, build_requests, release_offsets, workload_rngs
 from pdserve.sim import cli
-from pdserve.sim.cluster import ClusterConfig
+from pdserve.sim.cluster_config import ClusterConfig
 from pdserve.sim.profiles import load_hardware, load_model, load_software
 from pdserve.sim.run import SimConfig, run_sim, workload
 

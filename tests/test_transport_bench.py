@@ -5,9 +5,12 @@ from __future__ import annotations
 import argparse
 import json
 
+import pytest
+
 from pdserve.bench import transport as bench
 
 
+@pytest.mark.process  # the bench's target end runs in a process of its own
 def test_bench_transport_json(capsys) -> None:
     parser = argparse.ArgumentParser()
     bench.add_arguments(parser)

@@ -96,6 +96,56 @@ CountTokens = Callable[[Sequence[str]], list[int]]
 CHARS_PER_TOKEN = 4.0  # the estimate's ratio, about right for English in BPE vocabularies
 
 
+@dataclass(frozen=True)
+class MultiTurnConfig:
+    """A multi-turn chat trace in token ids, written from the seed (prefix-caching bench).
+
+    Every conversation opens with the same system prompt (`system_len` tokens); turn k's
+    prompt is the previous turn's prompt, that turn's reply (`output_len` tokens, drawn here:
+    the server's real reply is unknown in advance) and a new user message (`user_len`
+    tokens). Requests go out turn by turn (every conversation's turn 1, then every turn 2,
+    ...), so a conversation's turns arrive in order and its earlier turns may be cached.
+    """
+
+    system_len: int = 512
+    user_len: int = 64
+    turns: int = 4
+    output_len: int = 64
+    vocab_size: int = 256
+    token_offset: int = 10
+
+    def __post_init__(self) -> None:
+        if min(self.system_len, self.user_len, self.turns, self.output_len) < 1:
+            raise ValueError("multiturn lengths and turns must be at least 1")
+        if not 0 <= self.token_offset < self.vocab_size:
+            raise ValueError("need 0 <= token_offset < vocab_size")
+
+
+def sample_multiturn(
+    cfg: MultiTurnConfig, num_prompts: int, rng: np.random.Generator
+) -> list[BenchRequest]:
+    """`num_prompts` requests: ceil(num_prompts / turns) conversations, in turn-major order."""
+
+    def tokens(n: int) -> list[int]:
+        return rng.integers(cfg.token_offset, cfg.vocab_size, size=n).tolist()
+
+    system = tokens(cfg.system_len)
+    num_convs = -(-num_prompts // cfg.turns)
+    convs = [list(system) for _ in range(num_convs)]
+    requests: list[BenchRequest] = []
+    for turn in range(cfg.turns):
+        for history in convs:
+            if turn:
+                history += tokens(cfg.output_len)  # the previous turn's reply
+            history += tokens(cfg.user_len)
+            requests.append(
+                BenchRequest(
+                    prompt=list(history), prompt_len=len(history), output_len=cfg.output_len
+                )
+            )
+    return requests[:num_prompts]
+
+
 def estimate_tokens(texts: Sequence[str]) -> list[int]:
     """Token counts estimated from the length of each text (CHARS_PER_TOKEN chars a token)."""
     return [max(1, round(len(t) / CHARS_PER_TOKEN)) if t else 0 for t in texts]
@@ -172,10 +222,6 @@ def _read_records(path: Path) -> list[TraceRecord]:
         raise TraceError(f"{path}: no requests in trace")
     _check_timing_consistent(path, records)
     return [rec for _, rec in records]
-
-
-def _has_time(rec: TraceRecord) -> bool:
-    return rec.timestamp is not None or rec.arrival_offset_s is not None
 
 
 def _check_timing_consistent(path: Path, records: list[tuple[int, TraceRecord]]) -> None:

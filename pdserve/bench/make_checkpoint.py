@@ -1,7 +1,7 @@
 """Write a random-weight Hugging Face Qwen3 checkpoint directory for benchmarks.
 
 The default shape is the 4-layer, 256-hidden random Qwen3 of the vLLM-cpu reference run
-(shared/design/field-notes.md): 4 query / 2 KV heads of 64, intermediate 768, tied
+(the project's field notes): 4 query / 2 KV heads of 64, intermediate 768, tied
 embeddings. The field notes give only layers, hidden size and dtype; the rest follows
 pdserve/sim/profiles/models/random-qwen3-4l256-bf16.json. Weights come from transformers'
 own initialisation (`Qwen3ForCausalLM(config)` under a fixed seed) and are saved with

@@ -46,11 +46,13 @@ from pdserve.bench.client import (
 from pdserve.bench.dataset import (
     BenchRequest,
     CountTokens,
+    MultiTurnConfig,
     RandomDatasetConfig,
     TraceError,
     estimate_tokens,
     load_custom,
     load_trace,
+    sample_multiturn,
     sample_random,
     sample_random_text,
     sample_sharegpt,
@@ -75,8 +77,8 @@ DEFAULT_NUM_PROMPTS = 100
 WARMUP_MAX_TOKENS = 16  # enough to go through prefill, KV handoff and a few decode steps
 COMPLETIONS_ENDPOINT = "/v1/completions"
 CHAT_ENDPOINT = "/v1/chat/completions"
-DATASETS = ("random", "sharegpt", "custom", "trace")
-FILE_DATASETS = DATASETS[1:]
+DATASETS = ("random", "sharegpt", "custom", "trace", "multiturn")
+FILE_DATASETS = ("sharegpt", "custom", "trace")
 BACKENDS = {
     "vllm": COMPLETIONS_ENDPOINT,
     "openai": COMPLETIONS_ENDPOINT,
@@ -103,6 +105,7 @@ class BenchConfig:
     label: str | None = None
     dataset_name: str | None = None  # one of DATASETS
     random: RandomDatasetConfig = field(default_factory=RandomDatasetConfig)
+    multiturn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
     trace_path: Path | None = None
     file_output_len: int | None = None  # sharegpt, custom: output length for every request
     tokenize_url: str | None = None  # where POST /tokenize counts tokens; None: base_url
@@ -152,8 +155,10 @@ class BenchConfig:
             raise ValueError(f"unknown dataset {name!r}; use one of {', '.join(DATASETS)}")
         if name in FILE_DATASETS and self.trace_path is None:
             raise ValueError(f"--dataset-name {name} needs --dataset-path FILE")
-        if name == "random" and self.trace_path is not None:
-            raise ValueError("--dataset-name random takes no --dataset-path")
+        if name in ("random", "multiturn") and self.trace_path is not None:
+            raise ValueError(f"--dataset-name {name} takes no --dataset-path")
+        if name == "multiturn" and self.chat:
+            raise ValueError("--dataset-name multiturn is token ids: use the completions API")
         if self.file_output_len is not None and self.file_output_len < 1:
             raise ValueError("the output length of a dataset must be >= 1")
 
@@ -182,6 +187,8 @@ def build_requests(
     path, n = cfg.trace_path, cfg.num_prompts
     if cfg.dataset == "random":
         return random_requests(cfg, n or DEFAULT_NUM_PROMPTS, rng, count)
+    if cfg.dataset == "multiturn":
+        return sample_multiturn(cfg.multiturn, n or DEFAULT_NUM_PROMPTS, rng)
     assert path is not None  # checked by BenchConfig
     if cfg.dataset == "sharegpt":
         return sample_sharegpt(path, n or DEFAULT_NUM_PROMPTS, rng, count, cfg.file_output_len)
@@ -452,8 +459,31 @@ def _add_workload(parser: argparse.ArgumentParser) -> None:
         choices=DATASETS,
         default=None,
         help="random: random token ids (text words for the chat API); sharegpt: vLLM's "
-        'ShareGPT JSON; custom: JSONL of {"prompt": ...}; trace: pdserve\'s JSONL trace '
-        "(default: trace with --dataset-path, else random)",
+        'ShareGPT JSON; custom: JSONL of {"prompt": ...}; trace: pdserve\'s JSONL trace; '
+        "multiturn: conversations with a shared system prompt growing turn by turn, token "
+        "ids written from --seed (default: trace with --dataset-path, else random)",
+    )
+    g.add_argument(
+        "--multiturn-system-len",
+        type=int,
+        default=512,
+        metavar="N",
+        help="multiturn: tokens of the shared system prompt",
+    )
+    g.add_argument(
+        "--multiturn-user-len",
+        type=int,
+        default=64,
+        metavar="N",
+        help="multiturn: tokens of each user message",
+    )
+    g.add_argument(
+        "--multiturn-turns",
+        type=int,
+        default=4,
+        metavar="N",
+        help="multiturn: turns per conversation (--num-prompts / N conversations); each "
+        "turn's reply in the history is --random-output-len tokens",
     )
     g.add_argument(
         "--dataset-path",
@@ -653,6 +683,14 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
             input_len=args.input_len,
             output_len=args.output_len,
             range_ratio=args.range_ratio,
+            vocab_size=args.vocab_size,
+            token_offset=args.token_offset,
+        ),
+        multiturn=MultiTurnConfig(
+            system_len=args.multiturn_system_len,
+            user_len=args.multiturn_user_len,
+            turns=args.multiturn_turns,
+            output_len=args.output_len,
             vocab_size=args.vocab_size,
             token_offset=args.token_offset,
         ),

@@ -1,11 +1,11 @@
 """Server-sent events' data from a byte stream, for `bench`'s aiohttp client.
 
-`bench` reads its streams with aiohttp because its CPU per streamed chunk is about half
-httpx's (docs/benchmarks.md, "Session 12"), and on 2 cores the load generator shares a core
-with the system it measures. aiohttp has no SSE parser, and httpx-sse's works only on httpx
-responses, so this is the part of the SSE format a client of an OpenAI-style stream needs:
-each event's `data`, nothing else (`event`, `id` and `retry` fields and comments are read
-and dropped).
+`bench` reads its streams with aiohttp because its CPU per streamed chunk is about half httpx's
+(docs/results.md, "the bench client is aiohttp"), and on 2 cores the load generator shares a
+core with the system it measures. aiohttp has no SSE parser, and httpx-sse's works only on httpx
+responses, so this is the part of the SSE format a client of an OpenAI-style stream needs: each
+event's `data`, nothing else (`event`, `id` and `retry` fields and comments are read and
+dropped).
 
 As the SSE format says: lines end at CRLF, LF or CR and nowhere else (JSON may carry U+2028,
 U+2029 and U+0085 raw, and `str.splitlines` would cut there); a blank line ends an event;

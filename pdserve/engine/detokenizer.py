@@ -34,8 +34,9 @@ class IncrementalDetokenizer:
         self._stop = tuple(s for s in stop if s)
         self._hold = max((len(s) for s in self._stop), default=1) - 1
 
-    def append(self, token_id: int) -> bool:
-        """Add one token; returns True if a stop string now ends the text."""
+    def append(self, token_id: int, check_stop: bool = True) -> bool:
+        """Add one token; returns True if a stop string now ends the text (never without
+        `check_stop`: before a request's `min_tokens`, stop strings do not count)."""
         self._ids.append(token_id)
         prefix_text = self._tok.decode(self._ids[self._prefix : self._read])
         full = self._tok.decode(self._ids[self._prefix :])
@@ -44,7 +45,7 @@ class IncrementalDetokenizer:
         old_len = len(self.text)
         self.text += full[len(prefix_text) :]
         self._prefix, self._read = self._read, len(self._ids)
-        return self._find_stop(old_len)
+        return check_stop and self._find_stop(old_len)
 
     def _find_stop(self, old_len: int) -> bool:
         if not self._stop:

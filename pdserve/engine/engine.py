@@ -18,6 +18,8 @@ import torch
 from pdserve.config import EngineConfig
 from pdserve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.engine.handle import EngineInfo
+from pdserve.engine.logprobs import attach_logprobs
+from pdserve.engine.params_check import sampling_problem
 from pdserve.engine.request import Request, RequestState
 from pdserve.engine.runner import ModelRunner
 from pdserve.engine.scheduler import Scheduler, SchedulerOutput, blocks_needed
@@ -32,6 +34,7 @@ from pdserve.engine.types import (
 from pdserve.kv.block_pool import BlockPool
 from pdserve.kv.cache import KVCache, num_blocks_for_budget
 from pdserve.model.loader import LoadedModel, load_model
+from pdserve.token_logprob import TokenLogprob
 from pdserve.transfer.connector import (
     Event,
     KVConnector,
@@ -77,8 +80,8 @@ class LLMEngine:
         )
         self.kv = KVCache.allocate(spec, num_blocks, bs, loaded.dtype, device)
         self.pool = BlockPool(num_blocks)
-        self.scheduler = Scheduler(cfg.scheduler, self.pool, bs)
-        self.runner = ModelRunner(loaded.model, self.kv, device)
+        self.scheduler = Scheduler(cfg.scheduler, self.pool, bs, cfg.cache.enable_prefix_caching)
+        self.runner = ModelRunner(loaded.model, self.kv, device, self.tokenizer.eos_token_ids)
         self.requests: dict[str, Request] = {}
         self.trace = StepTracer()  # DEBUG lines on pdserve.engine.steps (steptrace.py)
         self.connector: KVConnector | None = None
@@ -130,6 +133,9 @@ class LLMEngine:
             )
         if blocks_needed(total, self.kv.block_size) > self.pool.num_blocks:
             return f"prompt + max_tokens = {total} tokens do not fit in the KV cache"
+        bad = sampling_problem(er.params, self.loaded.spec.vocab_size)
+        if bad:
+            return bad
         p = er.kv_transfer
         if p is None or not (p.do_remote_prefill or p.do_remote_decode):
             return None
@@ -242,7 +248,8 @@ class LLMEngine:
                 self.trace.landed(1)
                 hop(transfer_id_of(req), "d.engine_kv", busy=len(busy))
                 self.scheduler.kv_arrived(req)
-                outputs.append(self._append_token(req, ev.first_token_id))
+                lp = ev.first_token_logprobs if req.logprobs is not None else None
+                outputs.append(self._append_token(req, ev.first_token_id, lp))
                 hop(transfer_id_of(req), "d.engine_out", rid=req.request_id)
             else:
                 outputs.append(self._fail(req, ev.error))
@@ -303,13 +310,18 @@ class LLMEngine:
         for s in sched.seqs:
             req = s.request
             req.num_computed_tokens = s.num_computed + s.num_new
-            token = sampled.get(req.request_id)
-            if token is not None:
-                outputs.append(self._append_token(req, token))
+            self.scheduler.cache_computed(req)
+            got = sampled.get(req.request_id)
+            if got is not None:
+                outputs.append(self._append_token(req, got.token, got.logprob))
         return outputs
 
-    def _append_token(self, req: Request, token: int) -> RequestOutput:
+    def _append_token(
+        self, req: Request, token: int, logprob: TokenLogprob | None = None
+    ) -> RequestOutput:
         req.output_token_ids.append(token)
+        if req.logprobs is not None:
+            req.logprobs.append(logprob)
         stopped = self._stops(req, token)
         reason = FinishReason.STOP if stopped else self._length_reason(req)
         if reason is not None:
@@ -322,7 +334,8 @@ class LLMEngine:
             return True
         if not p.ignore_eos and token in self.tokenizer.eos_token_ids:
             return True
-        return req.detok.append(token)
+        # Before `min_tokens` a stop string does not stop (EOS and stop ids are masked).
+        return req.detok.append(token, check_stop=len(req.output_token_ids) > p.min_tokens)
 
     def _length_reason(self, req: Request) -> FinishReason | None:
         if req.is_remote_decode or len(req.output_token_ids) >= req.params.max_tokens:
@@ -359,7 +372,7 @@ class LLMEngine:
         return params
 
     def _output(self, req: Request, new: list[int], final: bool) -> RequestOutput:
-        return RequestOutput(
+        out = RequestOutput(
             request_id=req.request_id,
             new_token_ids=new,
             new_text=req.detok.take(final),
@@ -368,6 +381,9 @@ class LLMEngine:
             num_prompt_tokens=req.num_prompt_tokens,
             num_output_tokens=len(req.output_token_ids),
         )
+        if req.logprobs is not None or req.prompt_logprobs is not None:
+            attach_logprobs(req, out)
+        return out
 
     # -- introspection ---------------------------------------------------------------------
     def info(self) -> EngineInfo:
@@ -405,16 +421,19 @@ class LLMEngine:
             kv_blocks_used=self.pool.num_used,
             kv_blocks_total=self.pool.num_blocks,
             num_preemptions=self.scheduler.num_preemptions,
+            prefix_cache_queries=self.scheduler.prefix_queries,
+            prefix_cache_hits=self.scheduler.prefix_hits,
         )
 
     def check_integrity(self) -> None:
-        """Pool consistent, and every used block belongs to a live request or the connector."""
+        """Pool consistent, and every hold on a block is a live request's or the connector's
+        (a cached block shared by several counts once per holder)."""
         self.pool.check_integrity()
         owned = sum(len(r.block_ids) for r in self.requests.values())
         if self.connector is not None:
             owned += self.connector.num_blocks_held()
-        if owned != self.pool.num_used:
-            raise AssertionError(f"{self.pool.num_used} blocks used, owners account for {owned}")
+        if owned != self.pool.num_refs:
+            raise AssertionError(f"{self.pool.num_refs} block holds, owners account for {owned}")
 
     def close(self) -> None:
         if self.connector is not None:

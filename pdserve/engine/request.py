@@ -1,7 +1,8 @@
 """A request's life inside the engine: its tokens, its blocks and its state.
 
-Owned by the engine thread. `block_ids` are owned (in the block pool) by the tag
-`request_id` while the request is WAITING (after a preemption they are empty),
+Owned by the engine thread. `block_ids` are held (in the block pool) by the tag
+`request_id` (the first `num_cached_blocks` shared read-only with other holders when
+prefix caching found them) while the request is WAITING (after a preemption they are empty),
 WAITING_FOR_REMOTE_KV (D: reserved for the incoming prompt KV) or RUNNING. The
 connector takes them over under its own tags only when the request ends (see
 pdserve.transfer.connector).
@@ -16,6 +17,7 @@ import torch
 
 from pdserve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.engine.types import EngineRequest, FinishReason, SamplingParams
+from pdserve.token_logprob import TokenLogprob
 
 
 class RequestState(enum.Enum):
@@ -36,6 +38,11 @@ class Request:
         self.output_token_ids: list[int] = []
         self.block_ids: list[int] = []
         self.num_computed_tokens = 0  # tokens whose K/V are in this request's blocks
+        # Prefix caching: the chained hashes of the full blocks of prompt + outputs known so
+        # far (kept across preemption: the tokens do not change), and how many of
+        # `block_ids` are registered in (or were taken from) the cache.
+        self.block_hashes: list[bytes] = []
+        self.num_cached_blocks = 0
         self.state = RequestState.WAITING
         self.finish_reason: FinishReason | None = None
         self.detok = detok
@@ -47,6 +54,15 @@ class Request:
         self.generator: torch.Generator | None = None
         if req.params.seed is not None:
             self.generator = torch.Generator().manual_seed(req.params.seed)
+        # Only when asked: one per output token; one per prompt token (None for the first),
+        # filled by the runner as the prompt's chunks run, handed out with the first output.
+        self.logprobs: list[TokenLogprob | None] | None = None
+        if req.params.logprobs is not None:
+            self.logprobs = []
+        self.prompt_logprobs: list[TokenLogprob | None] | None = None
+        if req.params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None]
+        self.prompt_logprobs_sent = False
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -64,6 +80,12 @@ class Request:
         if start >= p:  # decode: a slice of the outputs, without copying the whole prompt
             return self.output_token_ids[start - p : end - p]
         return self.prompt_token_ids[start:] + self.output_token_ids[: end - p]
+
+    @property
+    def last_logprob(self) -> TokenLogprob | None:
+        """The logprobs of the last output token, when the request asked for them (P/D: what
+        travels to D with the first token)."""
+        return self.logprobs[-1] if self.logprobs else None
 
     @property
     def is_remote_decode(self) -> bool:

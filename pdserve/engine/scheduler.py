@@ -17,6 +17,15 @@ requests grow into and local prompts prefill in.
 Block ownership: the scheduler allocates blocks for a request (owner tag = request id)
 just before the step that writes them, and frees them when the request finishes, is
 aborted or is preempted. Nothing else frees a running request's blocks.
+
+Prefix caching (`prefix_caching`): a request admitted with nothing computed first takes
+the longest run of cached blocks that matches its token prefix (pdserve.kv.prefix_hash),
+shared read-only with whoever else holds them, and computes only the rest: it starts with
+`num_computed_tokens` at the end of the hit, so positions and the attention prefix follow.
+The hit stops at least one token short of the end (a step must compute something to
+sample from), so every block a request writes is one it allocated alone. Once a step has
+filled a block (prompt or output tokens) the block is registered in the cache
+(`cache_computed`); freed cached blocks stay findable until the pool evicts them (LRU).
 """
 
 from __future__ import annotations
@@ -28,6 +37,7 @@ from dataclasses import dataclass, field
 from pdserve.config import SchedulerConfig
 from pdserve.engine.request import Request, RequestState
 from pdserve.kv.block_pool import BlockPool
+from pdserve.kv.prefix_hash import extend_hashes
 
 
 @dataclass(frozen=True)
@@ -61,10 +71,21 @@ def blocks_needed(num_tokens: int, block_size: int) -> int:
 class Scheduler:
     """Owns the waiting queue and the running list; the engine thread drives it."""
 
-    def __init__(self, cfg: SchedulerConfig, pool: BlockPool, block_size: int) -> None:
+    def __init__(
+        self,
+        cfg: SchedulerConfig,
+        pool: BlockPool,
+        block_size: int,
+        prefix_caching: bool = False,
+    ) -> None:
         self.cfg = cfg
         self.pool = pool
         self.block_size = block_size
+        self.prefix_caching = prefix_caching
+        # Tokens looked up in the prefix cache at admission, and tokens found (vLLM's
+        # prefix_cache_queries / prefix_cache_hits); both stay 0 without caching.
+        self.prefix_queries = 0
+        self.prefix_hits = 0
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.waiting_for_kv: dict[str, Request] = {}
@@ -91,8 +112,9 @@ class Scheduler:
             self._admit_waiting(out, budget)
         return out
 
-    def _chunk(self, req: Request, budget: int) -> int:
-        n = min(req.num_tokens - req.num_computed_tokens, budget)
+    def _chunk(self, req: Request, budget: int, start: int | None = None) -> int:
+        start = req.num_computed_tokens if start is None else start
+        n = min(req.num_tokens - start, budget)
         if self.cfg.max_prefill_chunk:
             n = min(n, self.cfg.max_prefill_chunk)
         return n
@@ -137,8 +159,8 @@ class Scheduler:
                 if not self._admit_remote(req):
                     break
                 continue
-            n = self._chunk(req, budget)
-            if not self._grow(req, req.num_computed_tokens + n):
+            n = self._admit_local(req, budget)
+            if n == 0:
                 break
             self.waiting.popleft()
             req.state = RequestState.RUNNING
@@ -146,6 +168,71 @@ class Scheduler:
             out.seqs.append(ScheduledSeq(req, req.num_computed_tokens, n))
             budget -= n
         self.waiting.extendleft(reversed(passed))
+
+    def _admit_local(self, req: Request, budget: int) -> int:
+        """Give `req` its cached prefix (if any) and blocks for its first chunk; returns the
+        chunk's length, or 0 (nothing taken) when the pool cannot hold it."""
+        # Prompt logprobs need the logits of every prompt position: a cache hit would skip
+        # computing them (vLLM makes the same exception).
+        fresh_start = not req.block_ids and not req.num_computed_tokens
+        wants_prompt = req.params.prompt_logprobs is not None
+        lookup = self.prefix_caching and fresh_start and not wants_prompt
+        hits = self._cache_hit(req) if lookup else []
+        if not hits:
+            n = self._chunk(req, budget)
+            if not self._grow(req, req.num_computed_tokens + n):
+                return 0
+            self.prefix_queries += req.num_tokens if lookup else 0
+            return n
+        start = len(hits) * self.block_size
+        n = self._chunk(req, budget, start)
+        # Free cached blocks leave the free queue when taken, so they count against it too.
+        taken = sum(1 for b in hits if self.pool.is_free(b))
+        fresh = blocks_needed(start + n, self.block_size) - len(hits)
+        if not self.pool.can_allocate(fresh + taken):
+            return 0
+        self.pool.share(hits, req.request_id)
+        req.block_ids = list(hits)
+        req.num_cached_blocks = len(hits)
+        req.num_computed_tokens = start
+        self._grow(req, start + n)
+        self.prefix_queries += req.num_tokens
+        self.prefix_hits += start
+        return n
+
+    def _cache_hit(self, req: Request, limit: int | None = None) -> list[int]:
+        """The cached blocks holding `req`'s longest cached block prefix within its first
+        `limit` tokens (default: short of its last token); nothing is taken yet."""
+        limit = req.num_tokens - 1 if limit is None else limit
+        extend_hashes(req.block_hashes, req.token_ids, limit, self.block_size)
+        hits: list[int] = []
+        for h in req.block_hashes[: limit // self.block_size]:
+            b = self.pool.lookup(h)
+            if b is None:
+                break
+            hits.append(b)
+        return hits
+
+    def cache_computed(self, req: Request) -> None:
+        """Register the blocks `req` has filled since the last call (after a step, or when
+        remote KV arrived). Their contents are final: `req` writes only past them."""
+        if not self.prefix_caching:
+            return
+        full = req.num_computed_tokens // self.block_size
+        if full <= req.num_cached_blocks:
+            return
+        extend_hashes(req.block_hashes, req.token_ids, full * self.block_size, self.block_size)
+        for j in range(req.num_cached_blocks, full):
+            self.pool.cache(req.block_ids[j], req.block_hashes[j], req.request_id)
+        req.num_cached_blocks = full
+
+    def _release(self, req: Request) -> None:
+        """Free `req`'s blocks, its last first: with caching, a prompt's tail is the least
+        likely to be shared, so it is the first the LRU queue evicts."""
+        blocks = reversed(req.block_ids) if self.prefix_caching else req.block_ids
+        self.pool.free(blocks, req.request_id)
+        req.block_ids = []
+        req.num_cached_blocks = 0
 
     def _over_remote_cap(self, req: Request) -> bool:
         """Whether reserving `req`'s prompt would pass `remote_kv_block_cap`."""
@@ -162,17 +249,35 @@ class Scheduler:
         headroom of free blocks is kept for the running requests to grow into: without it
         a backlog on P fills D's pool and forces preemptions (local recompute) on D.
         """
-        need = blocks_needed(req.num_prompt_tokens, self.block_size)
+        hits = self._remote_hit(req)
+        taken = sum(1 for b in hits if self.pool.is_free(b))
+        need = blocks_needed(req.num_prompt_tokens, self.block_size) - len(hits) + taken
         headroom = len(self.running) + max(1, self.pool.num_blocks // 20)
         if self.pool.num_free - need < headroom and (self.running or self.waiting_for_kv):
             return False
-        if not self._grow(req, req.num_prompt_tokens):
+        if not self.pool.can_allocate(need):
             return False
+        if hits:
+            self.pool.share(hits, req.request_id)
+            req.block_ids = list(hits)
+            req.num_cached_blocks = len(hits)
+        self._grow(req, req.num_prompt_tokens)
+        if self.prefix_caching:
+            self.prefix_queries += req.num_prompt_tokens
+            self.prefix_hits += len(hits) * self.block_size
         self.waiting.popleft()
         req.state = RequestState.WAITING_FOR_REMOTE_KV
         self.waiting_for_kv[req.request_id] = req
         self.on_remote_admit(req)
         return True
+
+    def _remote_hit(self, req: Request) -> list[int]:
+        """D: the cached blocks of `req`'s prompt prefix, so that only the rest is received.
+        At least the prompt's last block always comes from P (with P's first token)."""
+        if not self.prefix_caching or req.block_ids:
+            return []
+        limit = (req.num_prompt_tokens - 1) // self.block_size * self.block_size
+        return self._cache_hit(req, limit)
 
     def kv_arrived(self, req: Request) -> None:
         """D: the prompt's KV is in the request's blocks; it decodes from now on."""
@@ -181,10 +286,10 @@ class Scheduler:
         req.num_computed_tokens = req.num_prompt_tokens
         req.state = RequestState.RUNNING
         self.running.append(req)
+        self.cache_computed(req)
 
     def _preempt(self, req: Request) -> None:
-        self.pool.free(req.block_ids, req.request_id)
-        req.block_ids = []
+        self._release(req)
         req.num_computed_tokens = 0
         req.state = RequestState.WAITING
         self.waiting.appendleft(req)
@@ -198,8 +303,7 @@ class Scheduler:
             self.waiting.remove(req)
         self.waiting_for_kv.pop(req.request_id, None)
         if req.block_ids:
-            self.pool.free(req.block_ids, req.request_id)
-            req.block_ids = []
+            self._release(req)
         req.state = RequestState.FINISHED
 
 

@@ -9,6 +9,7 @@ import enum
 
 import msgspec
 
+from pdserve.token_logprob import TokenLogprob
 from pdserve.transfer.params import KVTransferParams
 
 
@@ -30,10 +31,32 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    min_tokens: int = 0  # EOS and stop_token_ids are masked, stop strings ignored, before it
+    # Logprobs (pdserve.engine.logprobs): None asks for none; k >= 0 asks for each token's
+    # own logprob plus the k most likely (`prompt_logprobs`: for the prompt's tokens).
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    # Logit processing (pdserve.engine.penalties), vLLM's definitions: presence and
+    # frequency over the generated tokens, repetition over prompt + generated tokens.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether sampling must change the logits first (penalties, bias, min_tokens)."""
+        return bool(
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+            or self.logit_bias
+            or self.min_tokens
+        )
 
 
 class RequestOutput(msgspec.Struct, kw_only=True):
@@ -53,6 +76,11 @@ class RequestOutput(msgspec.Struct, kw_only=True):
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     kv_transfer_params: KVTransferParams | None = None  # P side: what D needs (see params.py)
+    # With `SamplingParams.logprobs`: one per token of `new_token_ids`.
+    new_logprobs: list[TokenLogprob | None] | None = None
+    # With `SamplingParams.prompt_logprobs`, on the first output only: one per prompt token,
+    # None for the first (nothing predicts it).
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 class EngineRequest(msgspec.Struct, frozen=True, kw_only=True):
@@ -74,6 +102,8 @@ class EngineStats(msgspec.Struct, frozen=True, kw_only=True):
     kv_blocks_total: int
     num_preemptions: int = 0
     num_waiting_for_kv: int = 0
+    prefix_cache_queries: int = 0  # tokens looked up in the prefix cache (counter)
+    prefix_cache_hits: int = 0  # tokens found there (counter)
 
 
 class LiveRequest(msgspec.Struct, frozen=True, kw_only=True):

@@ -374,7 +374,7 @@ def _prefill(
     new_v = _as_cached(v[p.start : p.end], v_cache.dtype)
     if p.block_ids is None:
         # GQA inside the kernel instead of repeated K/V copies: the same values, 8-12% less
-        # time per 1024-token layer here (docs/benchmarks.md, session 8)
+        # time per 1024-token layer here (docs/results.md, "GQA inside the attention kernel")
         first_k, first_v = _heads_first(new_k, 1), _heads_first(new_v, 1)
         out = F.scaled_dot_product_attention(q, first_k, first_v, is_causal=True, enable_gqa=True)
         return out[0].transpose(0, 1)

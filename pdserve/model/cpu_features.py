@@ -1,6 +1,6 @@
 """Which compute dtype suits this CPU, from its feature flags (Linux /proc/cpuinfo).
 
-Measured (docs/benchmarks.md, "Session 8"): with AMX-BF16, bf16 matmuls run ~10x faster than
+Measured (docs/results.md, "dtype on CPU"): with AMX-BF16, bf16 matmuls run ~10x faster than
 float32 ones and a bf16 prefill takes about half the time, while decode is about as fast or
 faster in float32; without native bf16 (no AVX512-BF16, no AMX) bf16 is emulated and float32 is
 faster throughout. The loader only advises (an INFO line); the dtype stays the user's choice.

@@ -22,8 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.kv.cache import KVCache
 from pdserve.model.attention import AttentionMetadata, GatherBuffer, paged_attention, write_kv
+from pdserve.model.paged_kv import PagedKV
 from pdserve.model.rope import RotaryEmbedding, apply_rotary
 from pdserve.model.spec import ModelSpec
 
@@ -200,7 +200,7 @@ class Decoder(nn.Module):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         meta: AttentionMetadata,
-        kv: KVCache,
+        kv: PagedKV,
         on_layer_done: Callable[[int], None] | None = None,
     ) -> torch.Tensor:
         """Run one step over the flattened tokens ([T] ids and positions) -> [T, hidden].

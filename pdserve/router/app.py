@@ -113,7 +113,7 @@ def _add_routes(app: FastAPI, config: RouterConfig) -> None:
     @app.get("/health")
     async def health(request: Request) -> Response:
         state = _state(request)
-        return _health(state.pool, state.config.kv_transfer == "push")
+        return _health(state.pool, state.config.concurrent_legs)
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:

@@ -5,15 +5,23 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from pdserve.router.vllm_legs import PrefillPeer
 from pdserve.server.body_limit import MAX_BODY_BYTES
+from pdserve.vllm.instance import Connector, Engine
 
 TransferMode = Literal["pull", "push"]
-PolicyName = Literal["round_robin", "least_loaded", "least_tokens", "load_aware"]
-POLICY_NAMES: tuple[PolicyName, ...] = ("round_robin", "least_loaded", "least_tokens", "load_aware")
+PolicyName = Literal["round_robin", "least_loaded", "least_tokens", "load_aware", "cache_aware"]
+POLICY_NAMES: tuple[PolicyName, ...] = (
+    "round_robin",
+    "least_loaded",
+    "least_tokens",
+    "load_aware",
+    "cache_aware",
+)
 
 # Prompts shorter than this (in tokens) are prefilled on the decode instance itself
 # (conditional disaggregation; 0 disables). Measured on the 2-core CPU machine, 1P1D push
-# (docs/benchmarks.md, "Conditional disaggregation"): up to 48 tokens local prefill wins
+# (docs/results.md, "local prefill below 64 tokens"): up to 48 tokens local prefill wins
 # TTFT in both runs at equal or better TPOT for D's other streams; from 128 tokens it raises
 # their TPOT (1.3-1.9x, 6.6x at 1,024). The crossover lies between 32 and 64 tokens in one
 # run and between 64 and 128 in the other, so 64 is the default: it sits in both ranges.
@@ -30,6 +38,14 @@ class RouterConfig:
     decode_urls: tuple[str, ...]
     kv_transfer: TransferMode
     policy: PolicyName = "round_robin"
+    # What the instances are: pdserve's (its kv_transfer_params, /kv/info, /load, signed
+    # legs, releases) or vLLM's OpenAI servers (vLLM's params passed through; vllm_legs).
+    engine: Engine = "pdserve"
+    # With vLLM instances, the KV connector they run (pdserve's inside vLLM, or vLLM's NIXL).
+    connector: Connector = "pdserve"
+    # vLLM prefill instances' connectors, one per prefill URL in order (push with
+    # `engine="vllm"` needs them: vLLM has no /kv/info to read them from); () : none known.
+    prefill_peers: tuple[PrefillPeer, ...] = ()
     host: str = "127.0.0.1"
     port: int = 8000
     # Checked on the client's requests and sent to the instances (one key for the cluster).
@@ -64,8 +80,21 @@ class RouterConfig:
             raise ValueError("ejected_stream_grace_s must be >= 0")
         if self.local_prefill_below < 0 or self.default_max_tokens < 1:
             raise ValueError("local_prefill_below must be >= 0, default_max_tokens >= 1")
+        if self.prefill_peers and len(self.prefill_peers) != len(self.prefill_urls):
+            raise ValueError("give one prefill peer per prefill URL, in the same order")
+        if self.concurrent_legs and self.engine == "vllm" and not self.prefill_peers:
+            raise ValueError("NixlPushConnector instances need every prefill instance's peer")
         if self.health_failures_to_eject < 1:
             raise ValueError("health_failures_to_eject must be at least 1")
+
+    @property
+    def concurrent_legs(self) -> bool:
+        """Whether a request's P and D legs go out at once (push), D's naming P up front.
+        Otherwise D's leg follows P's answer and carries its params: pull, and push with
+        pdserve's connector inside vLLM, whose P answers with D's params in both modes
+        (P writes into D's blocks once D registers them)."""
+        vllm_sequential = self.engine == "vllm" and self.connector == "pdserve"
+        return self.kv_transfer == "push" and not vllm_sequential
 
 
 def normalize_url(url: str) -> str:

@@ -16,6 +16,8 @@ tokens goes straight to a decode instance as a plain request (no `kv_transfer_pa
 which prefills it itself: no P leg, no transfer. Its length must be known exactly (token
 ids, or the instance's `/tokenize`, not asked for a text far above the threshold); when it
 is not, the request is disaggregated. On by default below 64 tokens (`RouterConfig`).
+Requests one instance serves better (`pdserve.router.local_only`: prompt logprobs,
+`max_tokens` 0, `n` > 1) go the same way whatever their length.
 
 No prefill left: while no prefill instance can take this mode's P leg but a decode
 instance is admitted, every request is served as a local prefill on a decode instance
@@ -52,6 +54,13 @@ token's MAC over every field of the leg's `kv_transfer_params` and a timestamp
 (`pdserve.transfer.cluster_auth`); instances with a token refuse legs without it. A pull D
 leg's params come from P: if they cannot even be parsed, P's answer is the 502.
 
+vLLM instances (`RouterConfig.engine == "vllm"`): the legs carry vLLM's params instead,
+and P's answer goes to D untouched (`pdserve.router.vllm_legs`); no signatures, no releases
+(vLLM has no /kv/release), and P's prefill-done time is when P's answer reached the router.
+With pdserve's connector inside vLLM, push runs its legs as pull does (P's answer carries
+D's params in both modes); with NixlPushConnector a push request's two legs go out at once
+and share a fresh `X-Request-Id`, by which vLLM pairs them (`RouterConfig.concurrent_legs`).
+
 Both legs carry the client's `X-Request-Id` (or a new one) unchanged: P and D are separate
 engines and pair the transfer by `transfer_id`, so the shared id only joins their logs.
 
@@ -78,6 +87,7 @@ import msgspec
 from fastapi.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from pdserve.router import vllm_legs
 from pdserve.router.config import RouterConfig
 from pdserve.router.ejection import InstanceEjected, StreamWatch, until_ejected
 from pdserve.router.health import (
@@ -89,7 +99,9 @@ from pdserve.router.health import (
     Role,
 )
 from pdserve.router.load_model import Demand
+from pdserve.router.local_only import local_only_reason
 from pdserve.router.metrics import RouterMetrics
+from pdserve.router.prefix_index import prefix_chain
 from pdserve.router.prompt_size import (
     certainly_not_below,
     decode_tokens,
@@ -152,9 +164,14 @@ class DecodeStart:
 
 
 def prefill_body(body: dict[str, Any], params: Params) -> dict[str, Any]:
-    """The client's request turned into a P leg: one token, no stream, router's params."""
-    out = {k: v for k, v in body.items() if k not in ("stream_options", "min_tokens")}
+    """The client's request turned into a P leg: one token, no stream, router's params.
+    The sampling fields stay (P samples the first token as the client asked, logprobs
+    included); `min_tokens` is cut to the one token P makes."""
+    out = {k: v for k, v in body.items() if k != "stream_options"}
     out.update(max_tokens=1, stream=False, kv_transfer_params=params)
+    min_tokens = out.get("min_tokens")
+    if type(min_tokens) is int and min_tokens > 1:
+        out["min_tokens"] = 1
     if "max_completion_tokens" in out:
         out["max_completion_tokens"] = 1
     return out
@@ -208,6 +225,7 @@ class Dispatcher:
         # P legs outliving their response, and releases of P's holds in flight.
         self._background: set[asyncio.Task[Any]] = set()
         self._prefilling_locally = False  # no prefill instance left (logged on each change)
+        self._vllm = config.engine == "vllm"  # vLLM's instances: vllm_legs' params
 
     async def dispatch(self, call: Call) -> Response:
         """The response for the client: D's stream or body, or an OpenAI-style JSON error."""
@@ -215,13 +233,16 @@ class Dispatcher:
         hop(call.request_id, "r.received")
         try:
             demand, exact = await self._demand(call)
+            if local_only_reason(call.body, call.path) is not None:
+                mode = "local"
+                return await self._local(call, demand, mode)
             if exact and demand.prompt_tokens < self._config.local_prefill_below:
                 mode = "local"
                 return await self._local(call, demand, mode)
             if self._no_prefill_left():
                 mode = "local_fallback"
                 return await self._local(call, demand, mode)
-            if mode == "pull":
+            if not self._config.concurrent_legs:
                 return await self._pull(call, demand)
             return await self._push(call, demand)
         except APIError as err:
@@ -245,9 +266,10 @@ class Dispatcher:
         below = cfg.local_prefill_below
         if prompt is None and below > 0 and not certainly_not_below(call.body, below):
             prompt = await self._tokenize(call)
+        chain = prefix_chain(call.body) if cfg.policy == "cache_aware" else ()
         if prompt is None:
-            return Demand(estimated_prompt_tokens(call.body), decode), False
-        return Demand(prompt, decode), True
+            return Demand(estimated_prompt_tokens(call.body), decode, prefix=chain), False
+        return Demand(prompt, decode, prefix=chain), True
 
     async def _tokenize(self, call: Call) -> int | None:
         """The prompt length from a decode instance (the one that would prefill locally)."""
@@ -263,7 +285,7 @@ class Dispatcher:
         """Whether requests must prefill on decode instances: none of prefill can take a P
         leg of this mode, but a decode instance is admitted. Logs each change."""
         pool = self._pool
-        push = self._config.kv_transfer == "push"
+        push = self._config.concurrent_legs
         gone = not pool.prefill_usable(push) and bool(pool.admitted("decode"))
         if gone != self._prefilling_locally:
             self._prefilling_locally = gone
@@ -295,8 +317,11 @@ class Dispatcher:
         # its X-Request-Id would collide with the previous request's hold on P.
         tid = _new_tid()
         params = {"do_remote_decode": True, "transfer_mode": "pull", "transfer_id": tid}
+        if self._vllm:
+            params = vllm_legs.prefill_params()
         try:
-            result = await self._on_instance("prefill", p, p_leg, self._prefill(p, call, params))
+            prefill = self._prefill(p, call, params, tid)
+            result = await self._on_instance("prefill", p, p_leg, prefill)
         except asyncio.CancelledError:
             self._release_later(p, tid)  # P may have finished just before the cancel reached it
             raise
@@ -317,7 +342,8 @@ class Dispatcher:
     ) -> Response:
         """The D leg of a pull request, once P answered with `result`."""
         assert result.params is not None
-        params = pull_decode_params(result.params)
+        # vLLM's connectors get exactly what P returned.
+        params = result.params if self._vllm else pull_decode_params(result.params)
         try:
             headers = self._leg_headers(call, params)
         except InvalidKVTransferParams as exc:
@@ -333,7 +359,8 @@ class Dispatcher:
             raise
         self._observe_handoff(result, start.first_token_unix)
         hop(tid, "r.first_token", start.first_token_unix, rid=call.request_id)
-        return self._respond(call, "pull", d, d_leg, start, None, result.prefill_done_time)
+        mode = self._config.kv_transfer  # push too, with pdserve's connector inside vLLM
+        return self._respond(call, mode, d, d_leg, start, None, result.prefill_done_time)
 
     # -- push -----------------------------------------------------------------------------
 
@@ -345,9 +372,16 @@ class Dispatcher:
             self._pool.release(p, p_leg)
             raise _no_instance(self._pool, "decode")
         d, d_leg = acquired
-        p_params, d_params = push_params(p, _new_tid())
+        tid = _new_tid()
+        if self._vllm:  # one X-Request-Id for both legs: vLLM pairs them by it
+            assert p.peer is not None  # need_push_info
+            p_params = vllm_legs.prefill_params()
+            d_params = vllm_legs.push_decode_params(p.peer, tid, call.path)
+            call = replace(call, request_id=tid)
+        else:
+            p_params, d_params = push_params(p, tid)
         p_task = asyncio.create_task(
-            self._on_instance("prefill", p, p_leg, self._prefill(p, call, p_params))
+            self._on_instance("prefill", p, p_leg, self._prefill(p, call, p_params, tid))
         )
         p_task.add_done_callback(lambda _: self._pool.release(p, p_leg))
         d_headers = self._leg_headers(call, d_params)
@@ -359,11 +393,11 @@ class Dispatcher:
         except BaseException:
             self._pool.release(d, d_leg)
             if not _failed(p_task):  # P answered, or may finish the prompt before the cancel
-                self._release_later(p, p_params["transfer_id"])
+                self._release_later(p, tid)
             await cancel_and_wait(p_task, d_task)
             raise
         self._after_prefill(p_task, start.first_token_unix)
-        hop(p_params["transfer_id"], "r.first_token", start.first_token_unix, rid=call.request_id)
+        hop(tid, "r.first_token", start.first_token_unix, rid=call.request_id)
         return self._respond(call, "push", d, d_leg, start, p_task)
 
     @staticmethod
@@ -398,7 +432,10 @@ class Dispatcher:
     # -- releasing P's hold -----------------------------------------------------------------
 
     def _release_later(self, p: Instance, tid: str) -> None:
-        """Release P's hold of `tid` in the background (module doc)."""
+        """Release P's hold of `tid` in the background (module doc); vLLM's instances have
+        no release (their lease frees the blocks)."""
+        if self._vllm:
+            return
         task = asyncio.create_task(self._release(p, tid))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
@@ -454,14 +491,16 @@ class Dispatcher:
     def _leg_headers(self, call: Call, params: Params) -> dict[str, str]:
         """A leg's headers: with a cluster token, its signature over `params` (made just
         before sending: instances refuse one older than a minute). InvalidKVTransferParams
-        if `params` are not params at all (only P's answer can be that)."""
+        if `params` are not params at all (only P's answer can be that). vLLM's instances
+        check no signature."""
         headers = self._headers(call)
-        if self._config.cluster_token:
+        if self._config.cluster_token and not self._vllm:
             headers[LEG_SIGNATURE_HEADER] = sign_leg(self._config.cluster_token, params)
         return headers
 
-    async def _prefill(self, p: Instance, call: Call, params: Params) -> PrefillResult:
-        """Send the P leg and wait for P's answer; raises APIError on any failure."""
+    async def _prefill(self, p: Instance, call: Call, params: Params, tid: str) -> PrefillResult:
+        """Send the P leg of transfer `tid` and wait for P's answer; raises APIError on any
+        failure."""
         sent = time.monotonic()
         body = msgspec.json.encode(prefill_body(call.body, params))
         headers = self._leg_headers(call, params)
@@ -472,12 +511,14 @@ class Dispatcher:
         if not r.is_success:
             raise self._status_error("prefill", p, r.status, r.content)
         self._metrics.prefill_leg.observe(time.monotonic() - sent)
-        hop(params["transfer_id"], "r.p_answer")
+        hop(tid, "r.p_answer")
         params_back = _json_object(r.content).get("kv_transfer_params")
         if not isinstance(params_back, dict):
             return PrefillResult(None, None)
         done = params_back.get("prefill_done_time")
-        return PrefillResult(params_back, done if isinstance(done, int | float) else None)
+        if not isinstance(done, int | float):
+            done = time.time() if self._vllm else None  # vLLM's P does not say when
+        return PrefillResult(params_back, done)
 
     async def _open_decode(
         self, d: Instance, call: Call, params: Params | None, headers: dict[str, str]

@@ -15,8 +15,9 @@ when the instance has been ejected *and* then stays silent for `grace_s`.
 
 A stream's reads go through `StreamWatch`, not `until_ejected`: racing every chunk costs a
 task and an `asyncio.wait` per token, which was a large part of the router's CPU per relayed
-token (docs/benchmarks.md, "Session 10"). The watch reads directly and only arms a timer once
-the instance is ejected; the timer cancels the read in progress if the stream stays silent.
+token (docs/results.md, "the router reads streams through `StreamWatch`"). The watch reads
+directly and only arms a timer once the instance is ejected; the timer cancels the read in
+progress if the stream stays silent.
 """
 
 from __future__ import annotations

@@ -11,9 +11,12 @@ admission and checked (`pdserve.router.admission`): an instance whose role, tran
 model or transport does not fit is refused (not admitted; logged once per change, listed
 on the router's /health) and checked again every round, so fixing it needs no router
 restart. One whose /kv/info cannot be read is admitted at a later round; one that answers
-404 (e.g. vLLM) is admitted unchecked. For prefill instances in push mode /kv/info is
-re-read every round, so a restarted P (new incarnation) is noticed within a round instead
-of being sent stale side-channel coordinates (and refused if it no longer fits). Load:
+404 is admitted unchecked, and so is every instance of a router for vLLM instances
+(`RouterConfig.engine`), which never asks: vLLM has /health but no /kv/info or /load (a
+push P's coordinates then come from the configuration, `Instance.peer`). For prefill
+instances in push mode /kv/info is re-read every round, so a restarted P (new
+incarnation) is noticed within a round instead of being sent stale side-channel
+coordinates (and refused if it no longer fits). Load:
 `GET /load` every `load_interval_s` while the policy uses it. With a cluster token both
 reads carry a fresh proof of it (`X-PDServe-Cluster-Auth`, pdserve.transfer.cluster_auth),
 which instances with a token require; `/health` needs none.
@@ -50,6 +53,7 @@ from pdserve.router.config import RouterConfig
 from pdserve.router.load_model import Demand, mean_rate, prefill_finish_s
 from pdserve.router.policy import Policy, Role, make_policy
 from pdserve.router.upstream import Answer, Upstream, UpstreamError, UpstreamProtocolError
+from pdserve.router.vllm_legs import PrefillPeer
 from pdserve.server.load_report import LoadReport
 from pdserve.transfer.cluster_auth import route_headers
 from pdserve.transfer.params import InstanceInfo
@@ -93,7 +97,8 @@ class Instance:
     load: LoadReport | None = None
     load_requested: float = 0.0  # time.monotonic() the poll that gave `load` was sent
     info: InstanceInfo | None = None
-    info_unsupported: bool = False  # /kv/info answered 404 (e.g. a vLLM instance)
+    info_unsupported: bool = False  # /kv/info answered 404, or a vLLM instance
+    peer: PrefillPeer | None = None  # a vLLM prefill instance's connector (configured)
     refused: Refusal | None = None  # healthy, but does not fit the cluster (admission.py)
     incarnation_seen: str | None = None  # the last one /kv/info gave (kept across ejections)
     ejections: int = 0
@@ -131,7 +136,10 @@ class Instance:
 
     @property
     def can_receive_push(self) -> bool:
-        """A push D leg needs this P's engine id and side channel."""
+        """A push D leg needs this P's engine id and side channel (its /kv/info, or for a
+        vLLM instance its configured `peer`)."""
+        if self.peer is not None:
+            return True
         i = self.info
         return i is not None and i.side_channel_host is not None and i.side_channel_port is not None
 
@@ -142,7 +150,11 @@ class InstancePool:
     (`pdserve.router.membership`)."""
 
     def __init__(self, config: RouterConfig) -> None:
-        prefill = [Instance(u, "prefill") for u in config.prefill_urls]
+        peers = config.prefill_peers or (None,) * len(config.prefill_urls)
+        prefill = [
+            Instance(u, "prefill", peer=peer)
+            for u, peer in zip(config.prefill_urls, peers, strict=True)
+        ]
         decode = [Instance(u, "decode") for u in config.decode_urls]
         self.instances: tuple[Instance, ...] = (*prefill, *decode)
         self._policies: dict[Role, Policy] = {
@@ -326,7 +338,11 @@ class HealthMonitor:
         return inst.info is None or push_prefill
 
     async def _read_info(self, inst: Instance) -> _Candidate | None:
-        """`inst`'s /kv/info (info None: it has none, a 404), or None if unreadable."""
+        """`inst`'s /kv/info (info None: it has none, a 404, or it is a vLLM instance), or
+        None if unreadable."""
+        if self._config.engine == "vllm":
+            inst.info_unsupported = True
+            return _Candidate(None)
         try:
             r = await self._for_routers(inst, "/kv/info")
             if r.status == 404:

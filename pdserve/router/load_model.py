@@ -47,6 +47,9 @@ class Demand:
     decode_tokens: int  # max_tokens (or the router's estimate when the client set none)
     ready_in_s: float = 0.0  # decode leg: predicted time until its KV is there
     local_prefill: bool = False  # decode leg: the decode instance prefills the prompt itself
+    # The prompt's chained chunk names (pdserve.router.prefix_index), for `cache_aware`;
+    # empty for the other policies.
+    prefix: tuple[bytes, ...] = ()
 
     @property
     def decode_cost(self) -> int:

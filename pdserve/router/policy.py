@@ -12,6 +12,10 @@ event loop, so one policy object serves one role.
 - `load_aware`: the lowest predicted cost from the instances' own reports
   (`pdserve.router.load_model`): on P the predicted prefill finish; on D the predicted
   drain time at the moment the KV arrives (`Demand.ready_in_s`).
+- `cache_aware`: the least predicted work counting the prompt's cached prefix: tokens in
+  flight there plus the prompt tokens the instance probably does not hold yet (from what
+  this policy sent it, `pdserve.router.prefix_index`); on D those weigh less (they are
+  received, not computed, unless D prefills locally). Ties as in `least_loaded`.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from pdserve.router.load_model import (
     prefill_backlog,
     prefill_finish_s,
 )
+from pdserve.router.prefix_index import CHUNK_TOKENS, DEFAULT_CAPACITY, PrefixIndex
 from pdserve.transfer.params import InstanceLoad
 
 Role = Literal["prefill", "decode"]
@@ -133,6 +138,41 @@ class LoadAware(_Lowest):
         )
 
 
+# On D a prompt token not cached there is received (push/pull) rather than computed: far
+# cheaper than a token of prefill, so it weighs this much of a token of load (not measured;
+# the cache-aware bench compares the outcome with round robin and least-loaded).
+DECODE_MISS_WEIGHT = 0.25
+
+
+class CacheAware(_Lowest):
+    """Least predicted work with the cached prefix counted off (see the module docstring).
+
+    The cost of a candidate is its outstanding tokens (the router's count) plus the
+    prompt tokens past the prefix it is predicted to hold; the chosen one is then recorded
+    as holding this prompt. Load keeps a hot prefix from piling onto one instance: a hit
+    wins only while the instance's extra load is smaller than the tokens it saves.
+    """
+
+    def __init__(self, role: Role, capacity: int = DEFAULT_CAPACITY) -> None:
+        super().__init__()
+        self.role = role
+        self.index = PrefixIndex(capacity)
+
+    def pick(self, candidates: Sequence[C], demand: Demand) -> C:
+        chain = demand.prefix
+        local = self.role == "prefill" or demand.local_prefill
+        weight = 1.0 if local else DECODE_MISS_WEIGHT
+
+        def key(c: C) -> tuple[float, ...]:
+            hit = min(demand.prompt_tokens, self.index.match(c.url, chain) * CHUNK_TOKENS)
+            miss = weight * (demand.prompt_tokens - hit)
+            return (c.outstanding_tokens + miss, c.outstanding, load_score(c.load))
+
+        chosen = self._lowest(candidates, key)
+        self.index.record(chosen.url, chain)
+        return chosen
+
+
 def prefill_rate_for(candidates: Sequence[Candidate]) -> Callable[[Candidate], float | None]:
     """Each candidate's prefill rate, the mean of the known ones where it has none."""
     fallback = mean_rate([_prefill_rate(c) for c in candidates])
@@ -162,4 +202,6 @@ def make_policy(name: PolicyName, role: Role = "decode") -> Policy:
         return LeastTokens()
     if name == "load_aware":
         return LoadAware(role)
+    if name == "cache_aware":
+        return CacheAware(role)
     raise ValueError(f"unknown policy {name!r}")

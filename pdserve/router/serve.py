@@ -19,10 +19,12 @@ from pdserve.router.config import (
     normalize_url,
 )
 from pdserve.router.membership import MembershipSource
+from pdserve.router.vllm_legs import PrefillPeer
 from pdserve.server.exposure import router_warning
 from pdserve.server.http_protocol import HeaderDeadlineProtocol, quiet_polls
 from pdserve.server.serve import LISTEN_BACKLOG, UVICORN_LOOP
 from pdserve.transfer.release import TOKEN_ENV, token_from_env
+from pdserve.vllm.instance import CONNECTORS, ENGINES
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +58,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=POLICY_NAMES,
         default="round_robin",
         help="instance selection per role (default: %(default)s; docs/router.md)",
+    )
+    parser.add_argument(
+        "--engine",
+        choices=ENGINES,
+        default="pdserve",
+        help="the instances' engine: pdserve, or vLLM's OpenAI server (vLLM's"
+        " kv_transfer_params passed from P to D untouched; no /kv/info, /load or releases;"
+        " docs/router.md) (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--connector",
+        choices=CONNECTORS,
+        default="pdserve",
+        help="--engine vllm: the instances' KV connector: pdserve's (D's leg follows P's answer"
+        " in both modes) or vLLM's NIXL ones (NixlPushConnector: both legs at once)"
+        " (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--prefill-peer",
+        nargs="+",
+        action="extend",
+        type=_peer,
+        default=[],
+        metavar="ENGINE_ID@HOST:PORT",
+        help="--engine vllm: each prefill instance's KV connector (engine id and side"
+        " channel), in the order of --prefill; push needs them",
     )
     parser.add_argument(
         "--local-prefill-below",
@@ -101,6 +129,9 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         decode_urls=tuple(normalize_url(u) for u in args.decode),
         kv_transfer=args.kv_transfer,
         policy=args.policy,
+        engine=args.engine,
+        connector=args.connector,
+        prefill_peers=tuple(args.prefill_peer),
         host=args.host,
         port=args.port,
         api_key=args.api_key or None,
@@ -108,6 +139,21 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         request_timeout_s=args.request_timeout,
         local_prefill_below=args.local_prefill_below,
     )
+
+
+def check_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """After parsing: the combination makes a `RouterConfig` (`parser.error` otherwise)."""
+    try:
+        config_from_args(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+
+
+def _peer(text: str) -> PrefillPeer:
+    try:
+        return PrefillPeer.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def main(args: argparse.Namespace) -> int:

@@ -18,6 +18,7 @@ import logging
 import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
+from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any, TypeVar
 
@@ -32,13 +33,20 @@ from pdserve.engine.handle import EngineHandle
 from pdserve.engine.types import EngineRequest, FinishReason, RequestOutput
 from pdserve.server.body_limit import MAX_BODY_BYTES, BodySizeLimit
 from pdserve.server.errors import APIError, install_error_handlers
+from pdserve.server.fanout import child_requests, merged
 from pdserve.server.kv_routes import kv_routes
 from pdserve.server.metrics import RequestCountMiddleware, ServerMetrics
-from pdserve.server.protocol import ChatCompletionRequest, CompletionRequest, ModelList
+from pdserve.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+)
 from pdserve.server.request_ids import REQUEST_ID_HEADER, request_id_of
-from pdserve.server.responses import ChatFormat, CompletionFormat, ResponseFormat
+from pdserve.server.responses import ChatFormat, CompletionFormat, Echo, ResponseFormat
 from pdserve.server.serving import (
     COMPLETION_DEFAULT_MAX_TOKENS,
+    Generation,
     OpenAIServing,
     build_engine_request,
     finish_error,
@@ -117,6 +125,10 @@ def _api_routes(serving: OpenAIServing, gate: TransferGate, api_key: str | None)
     async def models() -> ModelList:
         return serving.models()
 
+    @api.get("/models/{model_id:path}")
+    async def model(model_id: str) -> ModelCard:
+        return serving.model_card(model_id)
+
     @api.post("/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         kv = gate.leg_params(body.kv_transfer_params, request.headers.get(LEG_SIGNATURE_HEADER))
@@ -124,15 +136,23 @@ def _api_routes(serving: OpenAIServing, gate: TransferGate, api_key: str | None)
         prompt = serving.completion_prompt(body)
         max_tokens = serving.max_tokens(body.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS, len(prompt))
         params = serving.sampling_params(body, max_tokens)
+        serving.check_leg(params, body.n, kv)
         rid = request_id_of(request.headers)
         hop(rid, "d.http_handler")
         er = build_engine_request(f"cmpl-{rid}", prompt, params, kv)
         claim = gate.admit(er)
+        echo = Echo(serving.prompt_text(body.prompt, prompt), prompt) if body.echo else None
         fmt = CompletionFormat(
-            er.request_id, serving.model_name, len(prompt), body.return_token_ids
+            er.request_id,
+            serving.model_name,
+            len(prompt),
+            body.return_token_ids,
+            serving.tokenizer,
+            body.logprobs,
+            echo,
         )
-        usage = _usage_wanted(body)
-        return await _respond(request, serving, er, fmt, body.stream, usage, rid, claim)
+        run = _Run(er, body.n, body.stream, _usage_wanted(body), max_tokens > 0)
+        return await _respond(request, serving, run, fmt, rid, claim)
 
     @api.post("/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
@@ -142,12 +162,15 @@ def _api_routes(serving: OpenAIServing, gate: TransferGate, api_key: str | None)
         requested = body.max_completion_tokens or body.max_tokens
         max_tokens = serving.max_tokens(requested, None, len(prompt))
         params = serving.sampling_params(body, max_tokens)
+        serving.check_leg(params, body.n, kv)
         rid = request_id_of(request.headers)
         er = build_engine_request(f"chatcmpl-{rid}", prompt, params, kv)
         claim = gate.admit(er)
-        fmt = ChatFormat(er.request_id, serving.model_name, len(prompt))
-        usage = _usage_wanted(body)
-        return await _respond(request, serving, er, fmt, body.stream, usage, rid, claim)
+        fmt = ChatFormat(
+            er.request_id, serving.model_name, len(prompt), serving.tokenizer, params.logprobs
+        )
+        run = _Run(er, body.n, body.stream, _usage_wanted(body))
+        return await _respond(request, serving, run, fmt, rid, claim)
 
     return api
 
@@ -188,13 +211,23 @@ def _usage_wanted(body: CompletionRequest | ChatCompletionRequest) -> bool:
     return body.stream_options is not None and body.stream_options.include_usage
 
 
+@dataclass(frozen=True)
+class _Run:
+    """How to run an admitted request: `n` choices (pdserve.server.fanout), streamed or
+    not, and whether generated tokens are kept (not for max_tokens 0 with echo)."""
+
+    er: EngineRequest
+    n: int
+    stream: bool
+    include_usage: bool
+    keep_output: bool = True
+
+
 async def _respond(
     request: Request,
     serving: OpenAIServing,
-    er: EngineRequest,
+    run: _Run,
     fmt: ResponseFormat,
-    stream: bool,
-    include_usage: bool,
     rid: str,
     claim: TransferClaim | None,
 ) -> Response:
@@ -202,34 +235,52 @@ async def _respond(
     once the response has ended, whichever way (see pdserve.server.transfers)."""
     release = claim.release if claim is not None else _nothing
     headers = {REQUEST_ID_HEADER: rid}
-    timer = serving.metrics.timer(len(er.prompt_token_ids))
-    if stream:
+    children = child_requests(run.er, run.n)
+    timers = [serving.metrics.timer(len(c.prompt_token_ids)) for c in children]
+    if run.stream:
         try:
             serving.check_alive()
         except APIError:
             release()
             raise
-        events = _sse_events(serving, serving.stream(er, timer), fmt, include_usage)
+        outputs = merged(
+            [serving.stream(c, t, run.keep_output) for c, t in zip(children, timers, strict=True)]
+        )
+        events = _sse_events(serving, outputs, fmt, run.include_usage, run.n)
         return _SSEResponse(events, release, media_type="text/event-stream", headers=headers)
+    work = [serving.generate(c, t, run.keep_output) for c, t in zip(children, timers, strict=True)]
     try:
-        gen = await _until_disconnected(request, serving.generate(er, timer))
+        gens = await _until_disconnected(request, _gather(work))
     finally:
         release()
-    if gen is None:
-        log.info("%s: client disconnected, request aborted", er.request_id)
+    if gens is None:
+        log.info("%s: client disconnected, request aborted", run.er.request_id)
         return Response(status_code=_CLIENT_CLOSED)
-    if gen.finish_reason in (FinishReason.ERROR, FinishReason.ABORT):
-        err = finish_error(gen.error, gen.finish_reason, serving.engine.is_alive)
-        log.warning("%s: %s", er.request_id, err.message)
-        return err.response(headers)
-    return JSONResponse(fmt.full(gen).model_dump(mode="json"), headers=headers)
+    for gen in gens:
+        if gen.finish_reason in (FinishReason.ERROR, FinishReason.ABORT):
+            err = finish_error(gen.error, gen.finish_reason, serving.engine.is_alive)
+            log.warning("%s: %s", run.er.request_id, err.message)
+            return err.response(headers)
+    return JSONResponse(fmt.full(gens).model_dump(mode="json"), headers=headers)
+
+
+async def _gather(work: list[Awaitable[Generation]]) -> list[Generation]:
+    """Every choice's generation; cancelling this cancels (aborts) them all."""
+    tasks = [asyncio.ensure_future(w) for w in work]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def _sse_events(
     serving: OpenAIServing,
-    outputs: AsyncIterator[RequestOutput],
+    outputs: AsyncIterator[tuple[int, RequestOutput]],
     fmt: ResponseFormat,
     include_usage: bool,
+    n_choices: int,
 ) -> AsyncIterator[str]:
     """OpenAI's server-sent events: `data: {chunk}` lines, `data: [DONE]` at the end.
 
@@ -239,9 +290,9 @@ async def _sse_events(
     n = 0
     async with aclosing(outputs):
         try:
-            for chunk in fmt.head():
+            for chunk in fmt.head(n_choices):
                 yield _sse(chunk)
-            async for out in outputs:
+            async for index, out in outputs:
                 n += len(out.new_token_ids)
                 reason = out.finish_reason if out.finished else None
                 if reason in (FinishReason.ERROR, FinishReason.ABORT):
@@ -253,7 +304,7 @@ async def _sse_events(
                     kv = kv_transfer_params_of(out) if reason else None
                     if n == len(out.new_token_ids):
                         hop(out.request_id, "d.sse_first")
-                    yield _sse(fmt.chunk(out.new_text, reason, kv))
+                    yield _sse(fmt.chunk(index, out, reason, kv))
             else:
                 if include_usage:
                     yield _sse(fmt.usage_chunk(n))

@@ -1,11 +1,12 @@
 """P/D routes of an instance, for routers: `GET /kv/info` (identity), `GET /load` (load
 report, `pdserve.server.load_report`), `POST /kv/release` (the router gives up a transfer,
-`pdserve.transfer.release`) and `POST /tokenize` (a prompt's token count).
+`pdserve.transfer.release`), `POST /tokenize` (a prompt's tokens and their count) and
+`POST /detokenize` (`{"tokens": [ids]}` -> `{"prompt": text}`), as vLLM names them.
 
 With a cluster token, `/kv/info` and `/load` answer only a caller that proves it
 (`X-PDServe-Cluster-Auth`, `pdserve.server.proofs.route_guard`): they name the side
 channel and the engine's identity, what a forged push leg would need. `/kv/release` has its
-own signature; `/tokenize` stays behind the API key like /v1/*."""
+own signature; `/tokenize` and `/detokenize` stay behind the API key like /v1/*."""
 
 from __future__ import annotations
 
@@ -68,8 +69,16 @@ def kv_routes(
         @router.post("/tokenize", dependencies=list(auth))
         async def tokenize(request: Request) -> Response:
             ids = _prompt_ids(serving, await read_json_object(request))
-            body = msgspec.json.encode(TokenCount(count=len(ids)))
-            return Response(body, media_type="application/json")
+            count = TokenCount(
+                count=len(ids), max_model_len=serving.limits.max_model_len, tokens=ids
+            )
+            return Response(msgspec.json.encode(count), media_type="application/json")
+
+        @router.post("/detokenize", dependencies=list(auth))
+        async def detokenize(request: Request) -> Response:
+            ids = _token_ids(serving, await read_json_object(request))
+            text = serving.tokenizer.decode(ids, skip_special_tokens=False)
+            return Response(msgspec.json.encode({"prompt": text}), media_type="application/json")
 
     return router
 
@@ -109,3 +118,16 @@ def _prompt_ids(serving: OpenAIServing, body: dict[str, Any]) -> list[int]:
         return serving.completion_prompt(CompletionRequest.model_validate(body))
     except ValueError as exc:  # pydantic's ValidationError
         raise bad_request(f"Not a completion or chat request: {exc}") from None
+
+
+def _token_ids(serving: OpenAIServing, body: dict[str, Any]) -> list[int]:
+    """The `tokens` of a /detokenize body: a list of this model's token ids."""
+    ids = body.get("tokens")
+    if not isinstance(ids, list) or not all(type(t) is int for t in ids):
+        raise bad_request("tokens must be a list of token ids.", param="tokens")
+    if len(ids) > serving.limits.max_model_len:
+        raise bad_request(
+            f"At most {serving.limits.max_model_len} tokens can be detokenized.", param="tokens"
+        )
+    serving.check_vocab(ids, "tokens")
+    return ids

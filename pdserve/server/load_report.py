@@ -109,7 +109,9 @@ def _rounded(x: float | None) -> float | None:
 
 
 class TokenCount(msgspec.Struct, kw_only=True):
-    """`POST /tokenize`: the prompt length of a completion or chat body, as this instance
-    would tokenize it (routers use it to decide local prefill for text prompts)."""
+    """`POST /tokenize`: the prompt of a completion or chat body as this instance would
+    tokenize it, and its length (routers read only `count`, to decide local prefill)."""
 
     count: int
+    max_model_len: int = 0
+    tokens: list[int] = msgspec.field(default_factory=list)

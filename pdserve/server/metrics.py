@@ -70,6 +70,17 @@ class _EngineStatsCollector(Collector):
         yield CounterMetricFamily(
             "pdserve_num_preemptions", "Requests preempted for KV space.", s.num_preemptions
         )
+        # vLLM's prefix_cache_queries / prefix_cache_hits: tokens, counted at admission.
+        yield CounterMetricFamily(
+            "pdserve_prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache.",
+            s.prefix_cache_queries,
+        )
+        yield CounterMetricFamily(
+            "pdserve_prefix_cache_hits",
+            "Prompt tokens found in the prefix cache (not computed).",
+            s.prefix_cache_hits,
+        )
 
     def _protocol(self, s: EngineStats) -> Iterable[Metric]:
         """The endpoint picker's gauges, with vLLM's meanings (docs/metrics.md)."""

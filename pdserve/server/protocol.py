@@ -7,10 +7,13 @@ are ignored, as OpenAI-compatible servers do, but the OpenAI options this server
 are declared so that setting them gets a clear 400 instead of being silently dropped.
 
 Extensions beyond OpenAI's API (vLLM spells them the same): `top_k`, `ignore_eos`,
-`stop_token_ids`, and `kv_transfer_params` (P/D disaggregation, echoed back in responses).
+`stop_token_ids`, `min_tokens`, `repetition_penalty`, and
+`kv_transfer_params` (P/D disaggregation, echoed back in responses). docs/api.md lists every
+parameter and its range.
 
 Limits: at most 64 stop strings of at most 1,000 characters each, at most 1,024
-`stop_token_ids`; the whole body at most 32 MiB (`pdserve.server.body_limit`, a 413).
+`stop_token_ids`, at most 1,024 `logit_bias` entries, `n` at most 16, at most 20 top
+logprobs; the whole body at most 32 MiB (`pdserve.server.body_limit`, a 413).
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ from pydantic import (
     model_serializer,
 )
 
+from pdserve.token_logprob import MAX_LOGPROBS
+
 # The range torch.Generator.manual_seed accepts without wrapping.
 _SEED_MAX = 2**63 - 1
 
@@ -36,6 +41,12 @@ _SEED_MAX = 2**63 - 1
 MAX_STOP_STRINGS = 64
 MAX_STOP_CHARS = 1000
 MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGIT_BIAS = 1024
+# Each of the n choices is its own engine request (pdserve.server.fanout).
+MAX_N = 16
+
+_Penalty = Annotated[float, Field(ge=-2.0, le=2.0, allow_inf_nan=False)]
+_TopLogprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]
 
 
 class _Request(BaseModel):
@@ -57,12 +68,20 @@ class SamplingFields(_Request):
     stop: str | list[str] | None = None
     stop_token_ids: Annotated[list[int], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     ignore_eos: bool = False  # extension
-    n: int = 1
+    min_tokens: int = Field(default=0, ge=0)  # extension
+    n: int = Field(default=1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    presence_penalty: _Penalty | None = None
+    frequency_penalty: _Penalty | None = None
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=100.0)  # extension
+    logit_bias: (
+        Annotated[
+            dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]],
+            Field(max_length=MAX_LOGIT_BIAS),
+        ]
+        | None
+    ) = None
     user: str | None = None
     # P/D disaggregation (vLLM's wire name); echoed back when the engine output carries it.
     kv_transfer_params: dict[str, Any] | None = None
@@ -78,12 +97,15 @@ class SamplingFields(_Request):
         return stop
 
 
+PromptInput = str | list[int] | list[str] | list[list[int]]
+
+
 class CompletionRequest(SamplingFields):
     """POST /v1/completions. `max_tokens` defaults to 16 (OpenAI's default)."""
 
-    prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = Field(default=None, ge=1)
-    logprobs: int | None = None
+    prompt: PromptInput
+    max_tokens: int | None = Field(default=None, ge=0)  # 0: only with echo (the prompt only)
+    logprobs: _TopLogprobs | None = None  # with echo, the prompt's tokens get them too
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
@@ -117,7 +139,7 @@ class ChatCompletionRequest(SamplingFields):
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: _TopLogprobs | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
     response_format: dict[str, Any] | None = None
@@ -148,10 +170,20 @@ class UsageInfo(BaseModel):
 FinishReasonStr = Literal["stop", "length"]
 
 
+class CompletionLogprobs(BaseModel):
+    """The `logprobs` of a completion choice: parallel lists, one entry per token (the
+    prompt's first, with echo, has None: nothing predicts it)."""
+
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: FinishReasonStr | None
     token_ids: list[int] | None = None  # with return_token_ids (non-streamed)
 
@@ -174,10 +206,24 @@ class AssistantMessage(BaseModel):
     content: str
 
 
+class ChatTopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(ChatTopLogprob):
+    top_logprobs: list[ChatTopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None = None
+
+
 class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: FinishReasonStr | None
 
 
@@ -205,7 +251,7 @@ class DeltaMessage(BaseModel):
 class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: DeltaMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: FinishReasonStr | None = None
 
 

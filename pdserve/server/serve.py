@@ -36,6 +36,7 @@ from pdserve.server import vllm_forms
 from pdserve.server.exposure import serve_warning
 from pdserve.server.http_protocol import HeaderDeadlineProtocol, quiet_polls
 from pdserve.transfer.factory import add_transfer_arguments
+from pdserve.vllm import serve as vllm_serve
 
 if TYPE_CHECKING:
     from pdserve.engine.handle import EngineHandle
@@ -44,9 +45,10 @@ log = logging.getLogger("pdserve.serve")
 
 API_KEY_ENV = "PDSERVE_API_KEY"
 SHUTDOWN_GRACE_S = 5.0  # in-flight requests get this long to finish on SIGTERM
-# asyncio's own loop, also where uvloop is installed: measured with push (docs/benchmarks.md,
-# "uvloop and httptools"), uvloop under the instances and the router made the handoff 1-2 ms
-# longer for no gain in CPU per token that httptools alone does not give.
+# asyncio's own loop, also where uvloop is installed: measured with push (docs/results.md,
+# "httptools, and asyncio's loop rather than uvloop"), uvloop under the instances and the
+# router made the handoff 1-2 ms longer for no gain in CPU per token that httptools alone
+# does not give.
 UVICORN_LOOP = "asyncio"
 LISTEN_BACKLOG = 2048  # uvicorn's default; it keeps the backlog given here
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
@@ -107,6 +109,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=cc.block_size,
         help="tokens per KV block (default: %(default)s)",
     )
+    cache.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=cc.enable_prefix_caching,
+        help="reuse the KV of full blocks whose token prefix was computed before "
+        "(vLLM's flag; default: on, --no-enable-prefix-caching turns it off)",
+    )
     sched = parser.add_argument_group("scheduler")
     sched.add_argument(
         "--max-num-batched-tokens",
@@ -138,7 +147,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="run the engine loop in a child process with its own interpreter, so the HTTP "
         "front end (parsing, formatting and sending streams) never holds the GIL the engine "
         "needs; costs one IPC hop per step. Off by default: on 2 cores it did not improve "
-        "TPOT (docs/benchmarks.md, 'The engine core in its own process')",
+        "TPOT (docs/results.md, 'engine loop in its own process')",
     )
     http = parser.add_argument_group("HTTP")
     http.add_argument("--host", default=vc.host, help="address to listen on (default: %(default)s)")
@@ -169,6 +178,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "parameters: top_k, ignore_eos, stop_token_ids, kv_transfer_params."
     )
     add_transfer_arguments(parser)
+    vllm_serve.add_arguments(parser)
     vllm_forms.add_arguments(parser)
     parser.add_argument(
         "--config",
@@ -197,6 +207,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
         block_size=args.block_size,
         kv_cache_memory_gib=args.kv_cache_memory,
         num_blocks=args.num_kv_blocks,
+        enable_prefix_caching=args.enable_prefix_caching,
     )
     sched = SchedulerConfig(
         max_num_batched_tokens=args.max_num_batched_tokens,
@@ -227,6 +238,8 @@ def main(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    if args.engine == "vllm":  # this process becomes the vLLM instance (pdserve.vllm)
+        return vllm_serve.main(args)
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # NIXL logs INFO to stdout otherwise
     engine_cfg, server_cfg = configs_from_args(args)
     if warning := serve_warning(args.role, args.host, args.kv_host, args.cluster_token):

@@ -45,8 +45,10 @@ from pdserve.server.protocol import (
     CompletionRequest,
     ModelCard,
     ModelList,
+    PromptInput,
     SamplingFields,
 )
+from pdserve.token_logprob import TokenLogprob
 from pdserve.transfer.errors import TransferCause, parse_transfer_error
 from pdserve.transfer.params import KVTransferParams
 
@@ -67,6 +69,8 @@ class Tokenizer(Protocol):
     vocab_size: int
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
 
     def apply_chat_template(self, messages: list[dict[str, str]]) -> str: ...
 
@@ -90,6 +94,8 @@ class Generation:
     error: str | None = None
     kv_transfer_params: dict[str, Any] | None = None
     token_ids: list[int] | None = None
+    logprobs: list[TokenLogprob | None] | None = None  # one per token, when asked
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # with echo + logprobs
 
 
 class OpenAIServing:
@@ -109,9 +115,20 @@ class OpenAIServing:
         )
 
     def models(self) -> ModelList:
-        return ModelList(
-            data=[ModelCard(id=self.model_name, max_model_len=self.limits.max_model_len)]
-        )
+        return ModelList(data=[self.model_card(self.model_name)])
+
+    def model_card(self, model_id: str) -> ModelCard:
+        """`GET /v1/models/{id}`: this server's model, or a 404 naming it."""
+        self.check_model(model_id)
+        return ModelCard(id=self.model_name, max_model_len=self.limits.max_model_len)
+
+    def prompt_text(self, prompt: PromptInput, ids: list[int]) -> str:
+        """A completion's prompt as text (echo): the client's string, or its ids decoded."""
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+            return prompt[0]
+        if isinstance(prompt, str):
+            return prompt
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
 
     # -- validation ------------------------------------------------------------------------
     def check_model(self, requested: str | None) -> None:
@@ -234,11 +251,19 @@ class OpenAIServing:
         return f"the maximum model length of {lim.max_model_len} tokens"
 
     def sampling_params(self, req: SamplingFields, max_tokens: int) -> SamplingParams:
+        """The engine's params; `max_tokens` 0 (echo only) runs as 1, and the front end
+        drops that token (`keep_output`)."""
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         stop_ids = list(req.stop_token_ids or [])
         self.check_vocab(stop_ids, "stop_token_ids")
+        if req.min_tokens > max_tokens:
+            raise bad_request(
+                f"min_tokens ({req.min_tokens}) must be at most max_tokens ({max_tokens}).",
+                param="min_tokens",
+            )
+        logprobs, prompt_logprobs = _logprobs_asked(req)
         return SamplingParams(
-            max_tokens=max_tokens,
+            max_tokens=max(max_tokens, 1),
             temperature=_temperature(req.temperature),
             top_p=1.0 if req.top_p is None else req.top_p,
             top_k=max(req.top_k or 0, 0),  # -1 (vLLM's "disabled") and 0 both disable it
@@ -246,13 +271,50 @@ class OpenAIServing:
             stop=tuple(stop),
             stop_token_ids=tuple(stop_ids),
             ignore_eos=req.ignore_eos,
+            min_tokens=req.min_tokens,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            presence_penalty=req.presence_penalty or 0.0,
+            frequency_penalty=req.frequency_penalty or 0.0,
+            repetition_penalty=req.repetition_penalty or 1.0,
+            logit_bias=self._logit_bias(req.logit_bias),
         )
+
+    def _logit_bias(self, bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+        """OpenAI's `{"token id": bias}` as (id, bias) pairs; a 400 for a key that is not a
+        token id of this model."""
+        pairs = []
+        for key, value in (bias or {}).items():
+            if not key.isascii() or not key.isdigit() or not int(key) < self.limits.vocab_size:
+                raise bad_request(
+                    f"logit_bias key {key[:32]!r} is not a token id in [0, "
+                    f"{self.limits.vocab_size}).",
+                    param="logit_bias",
+                )
+            pairs.append((int(key), value))
+        return tuple(pairs)
+
+    def check_leg(self, params: SamplingParams, n: int, kv: KVTransferParams | None) -> None:
+        """What a P/D leg cannot do: a decode leg never computes the prompt (no prompt
+        logprobs), and one leg is one transfer (n = 1). The router sends such requests
+        elsewhere (docs/api.md)."""
+        if kv is None or not (kv.do_remote_prefill or kv.do_remote_decode):
+            return
+        if n != 1:
+            raise bad_request("n > 1 cannot be combined with kv_transfer_params.", param="n")
+        if kv.do_remote_prefill and params.prompt_logprobs is not None:
+            raise bad_request(
+                "Prompt logprobs (echo with logprobs) need the prompt computed here; a "
+                "decode leg (do_remote_prefill) receives its KV instead.",
+                param="echo",
+            )
 
     # -- running ---------------------------------------------------------------------------
     async def stream(
-        self, request: EngineRequest, timer: RequestTimer
+        self, request: EngineRequest, timer: RequestTimer, keep_output: bool = True
     ) -> AsyncIterator[RequestOutput]:
-        """The engine's outputs for `request`, up to the finished one.
+        """The engine's outputs for `request`, up to the finished one; without
+        `keep_output` (max_tokens 0) the generated token is dropped and it ends at once.
 
         Raises APIError before the first output if the request cannot be submitted (engine
         dead, request id in use). Closing this iterator early aborts the request.
@@ -263,6 +325,8 @@ class OpenAIServing:
             async with aclosing(self.engine.generate(request)) as outputs:
                 out: RequestOutput | None = await _first(outputs)
                 while out is not None:
+                    if not keep_output and out.finish_reason is not FinishReason.ERROR:
+                        out = prompt_only(out)
                     timer.tokens(len(out.new_token_ids))
                     if out.finished:
                         reason = (out.finish_reason or FinishReason.ERROR).value
@@ -271,14 +335,20 @@ class OpenAIServing:
         finally:
             timer.finish(reason)
 
-    async def generate(self, request: EngineRequest, timer: RequestTimer) -> Generation:
+    async def generate(
+        self, request: EngineRequest, timer: RequestTimer, keep_output: bool = True
+    ) -> Generation:
         """Run `request` to the end and return its whole output."""
         parts: list[str] = []
         ids: list[int] = []
-        async with aclosing(self.stream(request, timer)) as outputs:
+        logprobs: list[TokenLogprob | None] = []
+        prompt_logprobs = None
+        async with aclosing(self.stream(request, timer, keep_output)) as outputs:
             async for out in outputs:
                 parts.append(out.new_text)
                 ids += out.new_token_ids
+                logprobs += out.new_logprobs or [None] * len(out.new_token_ids)
+                prompt_logprobs = prompt_logprobs or out.prompt_logprobs
                 if out.finished:
                     return Generation(
                         text="".join(parts),
@@ -287,6 +357,8 @@ class OpenAIServing:
                         error=out.error,
                         kv_transfer_params=kv_transfer_params_of(out),
                         token_ids=ids,
+                        logprobs=logprobs,
+                        prompt_logprobs=prompt_logprobs,
                     )
         return Generation(
             "".join(parts), FinishReason.ABORT, len(ids), error="the stream ended early"
@@ -401,6 +473,29 @@ def kv_transfer_error(cause: str, detail: str) -> APIError:
     return APIError(status, message, type=KV_TRANSFER_ERROR_TYPE, code=f"kv_{cause}")
 
 
+def prompt_only(out: RequestOutput) -> RequestOutput:
+    """`out` without generated tokens, finished for length (max_tokens 0 with echo)."""
+    return msgspec.structs.replace(
+        out,
+        new_token_ids=[],
+        new_text="",
+        new_logprobs=None,
+        num_output_tokens=0,
+        finished=True,
+        finish_reason=FinishReason.LENGTH,
+    )
+
+
+def _logprobs_asked(req: SamplingFields) -> tuple[int | None, int | None]:
+    """(top logprobs per generated token, per prompt token); None: not asked."""
+    if isinstance(req, CompletionRequest):
+        return req.logprobs, req.logprobs if req.echo else None
+    assert isinstance(req, ChatCompletionRequest)
+    if req.top_logprobs is not None and not req.logprobs:
+        raise bad_request("top_logprobs needs logprobs=true.", param="top_logprobs")
+    return (req.top_logprobs or 0) if req.logprobs else None, None
+
+
 def _temperature(requested: float | None) -> float:
     """OpenAI's default is 1. A temperature too small to divide by (1e-300 overflows the
     logits to inf and the sampler fails the whole batch) means greedy, as in vLLM."""
@@ -420,24 +515,14 @@ def _unsupported(param: str, what: str) -> APIError:
 
 
 def _check_common_options(req: SamplingFields) -> None:
-    if req.n != 1:
-        raise _unsupported("n", f"n={req.n} (only n=1)")
-    if req.presence_penalty:
-        raise _unsupported("presence_penalty", "presence_penalty")
-    if req.frequency_penalty:
-        raise _unsupported("frequency_penalty", "frequency_penalty")
-    if req.logit_bias:
-        raise _unsupported("logit_bias", "logit_bias")
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options is only allowed with stream=true.", "stream_options")
 
 
 def _check_completion_options(req: CompletionRequest) -> None:
     _check_common_options(req)
-    if req.logprobs is not None:
-        raise _unsupported("logprobs", "logprobs")
-    if req.echo:
-        raise _unsupported("echo", "echo")
+    if req.max_tokens == 0 and not req.echo:
+        raise bad_request("max_tokens=0 is only allowed with echo=true.", param="max_tokens")
     if req.suffix:
         raise _unsupported("suffix", "suffix")
     if req.best_of not in (None, 1):
@@ -446,8 +531,6 @@ def _check_completion_options(req: CompletionRequest) -> None:
 
 def _check_chat_options(req: ChatCompletionRequest) -> None:
     _check_common_options(req)
-    if req.logprobs or req.top_logprobs is not None:
-        raise _unsupported("logprobs", "logprobs")
     if req.tools or req.tool_choice not in (None, "none"):
         raise _unsupported("tools", "Tool calling")
     if req.response_format and req.response_format.get("type") != "text":

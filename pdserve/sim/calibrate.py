@@ -1,16 +1,16 @@
 """Calibrate the simulator on a measured `pdserve bench sweep` and write a validation set.
 
-    python -m pdserve.sim.calibrate --measured results/sweep-postfix \\
+    python -m pdserve.sim.calibrate --measured SWEEP_DIR \\
         --out pdserve/sim/profiles/validation/pdserve-cpu-sweep.json
 
-Reads every `<mode>-in<L>-r<R>.json` bench result of the sweep directory, keeps its
-reference figures (TTFT, TPOT and handoff, median and p99) and its bench seed (so the
-simulation replays the same prompts at the same times), fits a small named set of
-parameters (`FIT_PARAMS`) to the median figures of the fit points only (default: the
-lightest rate of every input length, all modes), and writes a validation set: the
-measured figures (marked `tuned` where they were fitted to), the fitted values as profile
-overrides, and a note naming what was fitted to what. `pdserve sim --validate NAME` then
-reports the error at every point; the points not fitted to are predictions.
+Reads every `<mode>-in<L>-r<R>.json` bench result of the sweep directory (`--out-dir` of
+`pdserve bench sweep`), keeps its reference figures (TTFT, TPOT and handoff, median and p99)
+and its bench seed (so the simulation replays the same prompts at the same times), fits a
+small named set of parameters (`FIT_PARAMS`) to the median figures of the fit points only
+(default: the lightest rate of every input length, all modes), and writes a validation set:
+the measured figures (marked `tuned` where they were fitted to), the fitted values as
+profile overrides, and a note naming what was fitted to what. `pdserve sim --validate NAME`
+then reports the error at every point; the points not fitted to are predictions.
 
 The fit minimises the mean squared log error (sim / measured) over the fit figures by
 coordinate descent in log space: each parameter in turn is multiplied or divided by a step

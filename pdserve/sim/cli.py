@@ -24,7 +24,7 @@ from pdserve.bench.arrivals import ArrivalConfig
 from pdserve.bench.dataset import RandomDatasetConfig, TraceError
 from pdserve.bench.metrics import BenchResult, parse_goodput, save_result
 from pdserve.bench.serve import BenchConfig
-from pdserve.sim.cluster import MODES, ClusterConfig
+from pdserve.sim.cluster_config import MODES, ClusterConfig
 from pdserve.sim.profiles import (
     builtin_names,
     load_hardware,

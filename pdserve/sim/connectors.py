@@ -27,19 +27,16 @@ token (vLLM).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
+from pdserve.sim.cluster_view import ClusterView
 from pdserve.sim.engine import FifoServer
 from pdserve.sim.instance import Instance, Seq, SimRequest
-
-if TYPE_CHECKING:
-    from pdserve.sim.cluster import Cluster
 
 
 class Connector:
     """Shared by the modes: the router's hops and the client's view of tokens."""
 
-    def __init__(self, cluster: Cluster) -> None:
+    def __init__(self, cluster: ClusterView) -> None:
         self.cluster = cluster
         self.loop = cluster.loop
         self.sw = cluster.cfg.software
@@ -103,7 +100,7 @@ class _PullState:
 class PullConnector(Connector):
     """P answers with block ids; the router relays them to D, which READs."""
 
-    def __init__(self, cluster: Cluster) -> None:
+    def __init__(self, cluster: ClusterView) -> None:
         super().__init__(cluster)
         self.state: dict[int, _PullState] = {}
         self.readers: dict[str, FifoServer] = {}
@@ -161,7 +158,7 @@ class _PushXfer:
 class PushConnector(Connector):
     """D registers early; P's writer WRITEs into D's blocks."""
 
-    def __init__(self, cluster: Cluster) -> None:
+    def __init__(self, cluster: ClusterView) -> None:
         super().__init__(cluster)
         self.xfers: dict[int, _PushXfer] = {}
         self.writers: dict[str, FifoServer] = {}
@@ -238,7 +235,7 @@ class PushConnector(Connector):
             self.loop.at(x.last_landed, x.p.release, x.p_seq.blocks)
 
 
-def make_connector(cluster: Cluster) -> Connector:
+def make_connector(cluster: ClusterView) -> Connector:
     """The connector of the cluster's mode."""
     kinds = {"monolithic": MonoConnector, "pull": PullConnector, "push": PushConnector}
     return kinds[cluster.cfg.mode](cluster)

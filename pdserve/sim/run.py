@@ -33,7 +33,8 @@ from pdserve.bench.serve import (
     result_header,
     workload_rngs,
 )
-from pdserve.sim.cluster import Cluster, ClusterConfig
+from pdserve.sim.cluster import Cluster
+from pdserve.sim.cluster_config import ClusterConfig
 from pdserve.sim.engine import EventLoop
 from pdserve.sim.instance import SimRequest
 

@@ -19,7 +19,7 @@ from tqdm import tqdm
 from pdserve.bench.metrics import BenchResult, save_result
 from pdserve.bench.sweep import point_seed
 from pdserve.bench.sweep_report import rate_label
-from pdserve.sim.cluster import Mode
+from pdserve.sim.cluster_config import Mode
 from pdserve.sim.run import SimConfig, run_sim
 
 

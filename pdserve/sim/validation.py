@@ -20,7 +20,7 @@ from pdserve.bench.arrivals import ArrivalConfig
 from pdserve.bench.dataset import RandomDatasetConfig
 from pdserve.bench.metrics import BenchResult
 from pdserve.bench.serve import BenchConfig
-from pdserve.sim.cluster import ClusterConfig, Mode
+from pdserve.sim.cluster_config import ClusterConfig, Mode
 from pdserve.sim.profiles import (
     HardwareProfile,
     ModelProfile,

@@ -106,6 +106,7 @@ from pdserve.engine.request import Request
 from pdserve.kv.block_pool import BlockPool
 from pdserve.kv.cache import KVCache
 from pdserve.logsafe import Throttled, shown
+from pdserve.token_logprob import TokenLogprob
 from pdserve.transfer import messages as m
 from pdserve.transfer.descriptors import Desc, block_descriptors
 from pdserve.transfer.errors import TransferCause, transfer_error
@@ -129,6 +130,7 @@ class KVReady(msgspec.Struct, frozen=True):
     request_id: str
     first_token_id: int
     prefill_done_time: float
+    first_token_logprobs: TokenLogprob | None = None  # P's, when the request asked
 
 
 class KVFailed(msgspec.Struct, frozen=True):
@@ -148,6 +150,7 @@ class Arrived(msgspec.Struct, frozen=True):
     transfer_id: str
     first_token_id: int
     prefill_done_time: float
+    first_token_logprobs: TokenLogprob | None = None
 
 
 class Failed(msgspec.Struct, frozen=True):
@@ -334,7 +337,14 @@ class KVConnector:
                 self.stats.failures += 1
                 return [KVFailed(req.request_id, transfer_error(item.cause, item.error))]
             self._count_arrival(time.monotonic() - req.kv_wait_start, item.prefill_done_time)
-            return [KVReady(req.request_id, item.first_token_id, item.prefill_done_time)]
+            return [
+                KVReady(
+                    req.request_id,
+                    item.first_token_id,
+                    item.prefill_done_time,
+                    item.first_token_logprobs,
+                )
+            ]
         return []
 
     def _expire(self, now: float) -> list[Event]:

@@ -11,6 +11,7 @@ from enum import StrEnum
 
 import msgspec
 
+from pdserve.token_logprob import TokenLogprob
 from pdserve.transfer.errors import TransferCause
 
 
@@ -66,6 +67,9 @@ class PushRegistration(msgspec.Struct, tag=True, kw_only=True):
     reply_to: tuple[str, int]
     block_ids: list[int]
     num_tokens: int
+    # Prefix caching: D already holds the prompt's first `skip_blocks` blocks; `block_ids`
+    # receive P's blocks from that index on (0 from a D without caching or a hit).
+    skip_blocks: int = 0
 
 
 class PushDone(msgspec.Struct, tag=True, kw_only=True):
@@ -74,6 +78,7 @@ class PushDone(msgspec.Struct, tag=True, kw_only=True):
     transfer_id: str
     first_token_id: int
     prefill_done_time: float
+    first_token_logprobs: TokenLogprob | None = None  # when the request asked for logprobs
 
 
 class PushFailCause(StrEnum):

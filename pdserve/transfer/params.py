@@ -32,6 +32,8 @@ from typing import Any, Literal
 
 import msgspec
 
+from pdserve.token_logprob import MAX_LOGPROBS, TokenLogprob
+
 TransferModeName = Literal["pull", "push"]
 
 
@@ -54,6 +56,8 @@ class KVTransferParams(
     prefill_done_time: float | None = None  # unix time P finished the prompt (handoff metric)
     expires_at: float | None = None  # pull: unix time P's hold (lease) ends
     signature: str | None = None  # pull: P's HMAC of the fields D uses (see `sign`)
+    # pull: the logprobs of `first_token_id` when the request asked for logprobs
+    first_token_logprobs: TokenLogprob | None = None
 
 
 class InvalidKVTransferParams(ValueError):
@@ -87,6 +91,10 @@ def parse_kv_transfer_params(raw: Any) -> KVTransferParams:
         params = msgspec.convert(raw, KVTransferParams)
     except msgspec.ValidationError as exc:
         raise InvalidKVTransferParams(f"kv_transfer_params: {exc}") from None
+    except UnicodeEncodeError:  # msgspec encodes keys and enum values as UTF-8 to match them
+        raise InvalidKVTransferParams(
+            "kv_transfer_params: keys and values must be valid Unicode (no lone surrogates)"
+        ) from None
     validate(params)
     return params
 
@@ -137,6 +145,21 @@ def _check_fields(p: KVTransferParams) -> None:
             raise _bad(name, "must be a finite number")
     if p.signature is not None and not _SIGNATURE_RE.fullmatch(p.signature):
         raise _bad("signature", "must be 64 lowercase hex digits (HMAC-SHA256)")
+    if p.first_token_logprobs is not None:
+        _check_first_logprobs(p.first_token_logprobs, p.first_token_id)
+
+
+def _check_first_logprobs(lp: TokenLogprob, first_token_id: int | None) -> None:
+    """The first token's logprobs describe that token, with at most 20 top entries."""
+    if lp.token_id != first_token_id:
+        raise _bad("first_token_logprobs", "must describe first_token_id")
+    top = len(lp.top_ids)
+    if top > MAX_LOGPROBS or len(lp.top_logprobs) != top or lp.rank < 1:
+        raise _bad("first_token_logprobs", f"must hold a rank and at most {MAX_LOGPROBS} pairs")
+    if any(t < 0 for t in lp.top_ids) or any(v > 0 or math.isnan(v) for v in lp.top_logprobs):
+        raise _bad("first_token_logprobs", "holds an impossible token id or logprob")
+    if lp.logprob > 0 or math.isnan(lp.logprob):
+        raise _bad("first_token_logprobs", "holds an impossible logprob")
 
 
 def check_for_instance(
@@ -215,6 +238,7 @@ class SignedFields(msgspec.Struct, array_like=True, frozen=True):
     first_token_id: int | None
     prefill_done_time: float | None
     expires_at: float | None
+    first_token_logprobs: TokenLogprob | None
 
 
 _SIGNING_DOMAIN = b"pdserve kv_transfer_params v1\0"  # keeps these MACs apart from frames'

@@ -74,6 +74,12 @@ class _ReadJob(msgspec.Struct):
     tid: str
     blocks: list[int]  # D's blocks (owned by the request, or quarantined if it ended)
     params: KVTransferParams
+    skip: int = 0  # prefix caching: the prompt's first blocks D holds already (not read)
+
+    @property
+    def remote_blocks(self) -> list[int]:
+        """P's blocks this job reads: those past the ones D holds."""
+        return list(self.params.remote_block_ids or ())[self.skip :]
 
     @property
     def address(self) -> Address:
@@ -107,6 +113,7 @@ class PullConnector(KVConnector):
             remote_block_ids=list(h.blocks),
             remote_num_tokens=h.num_tokens,
             first_token_id=first_token,
+            first_token_logprobs=req.last_logprob,
             prefill_done_time=h.done_time,
             expires_at=time.time() + self.cfg.lease_s,
         )
@@ -167,7 +174,8 @@ class PullConnector(KVConnector):
     def start_receive(self, req: Request) -> None:
         super().start_receive(req)
         assert req.kv_transfer is not None
-        job = _ReadJob(transfer_id_of(req), list(req.block_ids), req.kv_transfer)
+        skip = req.num_cached_blocks
+        job = _ReadJob(transfer_id_of(req), list(req.block_ids[skip:]), req.kv_transfer, skip)
         hop(job.tid, "d.start_receive")
         try:
             self.check_params(job.params)
@@ -208,10 +216,11 @@ class PullConnector(KVConnector):
         ok = False
         try:
             p = job.params
-            if len(p.remote_block_ids or ()) != len(job.blocks):
+            if len(job.remote_blocks) != len(job.blocks) or not job.blocks:
                 raise TransferError(
                     f"prefill instance holds {len(p.remote_block_ids or ())} blocks for "
-                    f"{p.remote_num_tokens} tokens, decode allocated {len(job.blocks)}"
+                    f"{p.remote_num_tokens} tokens, decode allocated {len(job.blocks)} "
+                    f"past the {job.skip} it holds"
                 )
             hop(job.tid, "d.lane_start")
 
@@ -280,9 +289,11 @@ class PullConnector(KVConnector):
 
     def _read(self, peer: Peer, job: _ReadJob) -> Arrived:
         p = job.params
-        local, remote = self.descriptors(peer, job.blocks, p.remote_block_ids)
+        local, remote = self.descriptors(peer, job.blocks, job.remote_blocks)
         self.run_transfer("read", peer, local, remote, None)
-        return Arrived(job.tid, p.first_token_id, p.prefill_done_time or 0.0)
+        return Arrived(
+            job.tid, p.first_token_id, p.prefill_done_time or 0.0, p.first_token_logprobs
+        )
 
     def close(self) -> None:
         self._lanes.close()

@@ -59,6 +59,7 @@ import msgspec
 
 from pdserve.engine.request import Request
 from pdserve.logsafe import shown
+from pdserve.token_logprob import TokenLogprob
 from pdserve.transfer import messages as m
 from pdserve.transfer.connector import (
     Arrived,
@@ -99,6 +100,7 @@ class _Finished:
     first_token_id: int
     done_time: float
     ready_at: float  # tests may delay the hand-off to force an arrival order
+    first_token_logprobs: TokenLogprob | None = None
 
 
 @dataclass
@@ -224,8 +226,9 @@ class PushConnector(KVConnector):
             engine_id=self.cfg.engine_id,
             incarnation=self.cfg.incarnation,
             reply_to=self.side.address,
-            block_ids=list(req.block_ids),
+            block_ids=list(req.block_ids[req.num_cached_blocks :]),
             num_tokens=req.num_prompt_tokens,
+            skip_blocks=req.num_cached_blocks,
         )
         peer = (p.remote_engine_id, (p.remote_host, p.remote_port), p.remote_incarnation)
         job = _Register(tid, peer, reg)
@@ -281,7 +284,10 @@ class PushConnector(KVConnector):
                 if isinstance(msg, m.PushDone):
                     hop(msg.transfer_id, "d.notif_thread")
                     self._p_of.pop(msg.transfer_id, None)
-                    self.report(Arrived(msg.transfer_id, msg.first_token_id, msg.prefill_done_time))
+                    lp = msg.first_token_logprobs
+                    self.report(
+                        Arrived(msg.transfer_id, msg.first_token_id, msg.prefill_done_time, lp)
+                    )
 
     def _abandon(self, tid: str, req: Request) -> None:
         """D: its peer is gone: a registration not sent yet never will be (module doc)."""
@@ -329,7 +335,15 @@ class PushConnector(KVConnector):
         hop(h.transfer_id, "p.prefill_done", h.done_time)
         ready = time.monotonic() + self.cfg.push_finish_delay_s
         self._inbox.put(
-            _Finished(h.transfer_id, list(h.blocks), h.num_tokens, first_token, h.done_time, ready)
+            _Finished(
+                h.transfer_id,
+                list(h.blocks),
+                h.num_tokens,
+                first_token,
+                h.done_time,
+                ready,
+                req.last_logprob,
+            )
         )
         return KVTransferParams(
             transfer_mode="push",
@@ -481,19 +495,20 @@ class PushConnector(KVConnector):
         if peer is None:
             msg = f"unknown decode instance {shown(reg.engine_id)}/{shown(reg.incarnation)}"
             self._fail_remote(reg, msg, Why.UNKNOWN_PEER, unknown_peer=True)
-        elif len(reg.block_ids) != len(fin.blocks) or reg.num_tokens != fin.num_tokens:
+        elif not _fits(reg, fin.blocks, fin.num_tokens):
             self._fail_remote(
                 reg,
-                f"decode registered {len(reg.block_ids)} blocks for "
+                f"decode registered {len(reg.block_ids)} blocks after {reg.skip_blocks} for "
                 f"{reg.num_tokens} tokens, prefill has {len(fin.blocks)} "
                 f"blocks for {fin.num_tokens} tokens",
                 Why.SIZE_MISMATCH,
             )
         else:
-            local, remote = self.descriptors(peer, fin.blocks, reg.block_ids)
+            local, remote = self.descriptors(peer, fin.blocks[reg.skip_blocks :], reg.block_ids)
             done = m.PushDone(
                 transfer_id=reg.transfer_id,
                 first_token_id=fin.first_token_id,
+                first_token_logprobs=fin.first_token_logprobs,
                 prefill_done_time=fin.done_time,
             )
             try:
@@ -522,11 +537,12 @@ class PushConnector(KVConnector):
         if stream.error or stream.aborted or peer is None:
             stream.fail("unknown decode instance", Why.UNKNOWN_PEER)
             return
-        if len(reg.block_ids) != len(item.blocks) or reg.num_tokens != item.num_tokens:
+        if not _fits(reg, item.blocks, item.num_tokens):
             stream.fail("decode registered a different prompt size", Why.SIZE_MISMATCH)
             return
+        mine = item.blocks[reg.skip_blocks :]
         local, remote = block_descriptors(
-            self.kv, peer.num_blocks, item.blocks, reg.block_ids, layers=[item.layer]
+            self.kv, peer.num_blocks, mine, reg.block_ids, layers=[item.layer]
         )
         try:
             handle = self.post_transfer("write", peer, local, remote, None)
@@ -621,6 +637,7 @@ class PushConnector(KVConnector):
         done = m.PushDone(
             transfer_id=tid,
             first_token_id=st.fin.first_token_id,
+            first_token_logprobs=st.fin.first_token_logprobs,
             prefill_done_time=st.fin.done_time,
         )
         peer = self.known_peer(st.reg.engine_id, st.reg.incarnation)
@@ -778,3 +795,14 @@ class _WriterState:
         self.early: dict[str, list[_LayerReady]] = {}
         # Transfers the router released -> when the mark may go (once its prompt is gone).
         self.released: dict[str, float] = {}
+
+
+def _fits(reg: m.PushRegistration, blocks: list[int], num_tokens: int) -> bool:
+    """D's registration names P's prompt: same tokens, and blocks for all of P's blocks past
+    the `skip_blocks` D holds already (at least one is always sent)."""
+    skip = reg.skip_blocks
+    return (
+        reg.num_tokens == num_tokens
+        and 0 <= skip < len(blocks)
+        and len(reg.block_ids) == len(blocks) - skip
+    )

@@ -88,6 +88,9 @@ def run(n: int, steps: int, batched: bool) -> float:
 
 
 def main() -> None:
+    if len(sys.argv) < 4 or sys.argv[1] in ("-h", "--help"):
+        print(__doc__)
+        sys.exit(0 if len(sys.argv) > 1 else 2)
     n, steps, rounds = map(int, sys.argv[1:4])
     os.sched_setaffinity(0, {1})
     torch.set_num_threads(1)

@@ -183,6 +183,9 @@ def report(rows: list[dict[str, float]], order) -> str:
 
 
 def main() -> None:
+    if len(sys.argv) < 2 or sys.argv[1] in ("-h", "--help"):
+        print(__doc__)
+        sys.exit(0 if len(sys.argv) > 1 else 2)
     args = sys.argv[1:]
     pool = "--pool" in args  # one table for all the runs given (same mode)
     runs = [Path(a) for a in args if a != "--pool"]

@@ -2,10 +2,12 @@
 # One run of the event-loop A/B: push 1P1D on the random Qwen3 checkpoint, 1024 in / 64 out,
 # one at a time (20 requests) then 2 req/s (40); prints one JSON line per workload with D's
 # event-loop (main thread) and engine-thread CPU per output token, TPOT and handoff.
-# usage: flock /work/notes/bench.lock scripts/bench/perf/loop_ab.sh TAG [HIDE...]
+# usage: [MODEL=CKPT] scripts/bench/perf/loop_ab.sh TAG [HIDE...]
+# MODEL: a checkpoint dir (default results/ckpt-qwen3-4l256, from `pdserve bench make-checkpoint`)
 # HIDE: modules to hide from every process of the cluster (e.g. httptools), by a module that
 # raises ImportError put first on PYTHONPATH. (The session 5 runs also hid or showed uvloop;
 # since then uvicorn's loop is pinned to asyncio, UVICORN_LOOP in pdserve/server/serve.py.)
+case "${1:-}" in -h|--help) sed -n "2,9p" "$0" | cut -c3-; exit 0;; esac
 set -u
 cd "$(dirname "$0")/../../.."
 TAG=$1; shift
@@ -14,7 +16,7 @@ for m in "$@"; do echo 'raise ImportError("hidden for the A/B")' > "$OUT/hide/$m
 export PYTHONPATH=$PWD/$OUT/hide${PYTHONPATH:+:$PYTHONPATH}
 PY=.venv/bin/python
 PORT=$($PY -c 'import socket;s=socket.socket();s.bind(("127.0.0.1",0));print(s.getsockname()[1])')
-setsid $PY -m pdserve up --kv-transfer push --transport tcp --model results/ckpt-qwen3-4l256 \
+setsid $PY -m pdserve up --kv-transfer push --transport tcp --model "${MODEL:-results/ckpt-qwen3-4l256}" \
   --port "$PORT" --local-prefill-below 0 --log-dir "$OUT/logs" \
   -- --dtype float32 --kv-cache-memory 1 > "$OUT/up.log" 2>&1 &
 UP=$!

@@ -4,7 +4,7 @@ Both servers stay up for the whole run, pinned to the same core with one compute
 (vLLM: `VLLM_CPU_OMP_THREADS_BIND`; pdserve: `--threads 1`); the bench client runs on the
 other core (`--cpus`). Each point runs both engines back to back, in palindromic order per
 round, with the same arrival seed. vLLM is not a pdserve dependency: it runs from its own
-virtual environment (see docs/benchmarks.md, "pdserve vs vLLM-cpu in the same run", for how
+virtual environment (see docs/results.md, "Against vLLM", for how
 that was built).
 
 usage: vllm_mono_ab.py OUTDIR --vllm-python /path/to/venv/bin/python

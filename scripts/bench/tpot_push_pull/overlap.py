@@ -99,6 +99,9 @@ def _cell(xs: list[float]) -> str:
 
 
 def main() -> None:
+    if len(sys.argv) < 2 or sys.argv[1] in ("-h", "--help"):
+        print(__doc__)
+        sys.exit(0 if len(sys.argv) > 1 else 2)
     out = Path(sys.argv[1])
     rows = json.loads((out / "rows.json").read_text())
     modes = list(dict.fromkeys(row["mode"] for row in rows))

@@ -1,13 +1,13 @@
 """Push vs pull decode TPOT under load (issue 8), with D's per-step trace and thread CPU.
 
-Both clusters (`pdserve up --kv-transfer push` and `... pull`) are up for the whole run, as in
-scripts/bench/perf/run_vs_vllm.sh (P on core 0, D on core 1, router on P's core, bench
-client unpinned as a user would run it). Instances run with `--log-level debug`, so every
-engine step writes a `pdserve.engine.steps` record (pdserve/engine/steptrace.py) to the
-instance's log. Modes alternate in palindromic order per round; a round's modes get the same arrival
-seed. Per run this saves the bench result and, before/after, each thread's CPU seconds of
-P, D and the router (/proc/PID/task/*/stat; names from `py-spy dump`) and time.monotonic()
-(the clock of the step records), so analyze.py can cut the step trace per run.
+Both clusters (`pdserve up --kv-transfer push` and `... pull`) are up for the whole run (P on
+core 0, D on core 1, router on P's core, bench client unpinned as a user would run it).
+Instances run with `--log-level debug`, so every engine step writes a `pdserve.engine.steps`
+record (pdserve/engine/steptrace.py) to the instance's log. Modes alternate in palindromic order
+per round; a round's modes get the same arrival seed. Per run this saves the bench result and,
+before/after, each thread's CPU seconds of P, D and the router (/proc/PID/task/*/stat; names
+from `py-spy dump`) and time.monotonic() (the clock of the step records), so overlap.py can cut
+the step trace per run.
 
 usage: run.py OUTDIR [--rounds 3] [--input-len 1024] [--rate 4] [--num-prompts 32]
        [--modes push pull push-whole]

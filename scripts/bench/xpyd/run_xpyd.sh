@@ -3,6 +3,7 @@
 # `pdserve bench serve` at rate BASE_RATE x P, stop the cluster by PID. One cluster at a time;
 # the modes alternate within a topology so that load drift hits both alike.
 # usage: run_xpyd.sh OUTDIR "pull push" "1,1 2,1 1,2 2,2"
+case "${1:-}" in -h|--help) sed -n "2,5p" "$0" | cut -c3-; exit 0;; esac
 set -u
 cd "$(dirname "$0")/../../.."  # the repo root: OUTDIR is relative to it
 OUT=$1; MODES=$2; TOPOS=$3

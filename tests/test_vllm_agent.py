@@ -1,0 +1,182 @@
+"""pdserve.vllm's transfer agent without vLLM: two agents over real transports, fake caches.
+
+The agent only needs per-layer tensors shaped like vLLM's CPU cache
+([num_blocks, kv_heads, block_size, 2 * head_dim]); these tests drive it the way the
+connector does (recv/send specs, finished ids) and read what it reports.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from pdserve.ports import free_port
+from pdserve.transfer import messages as m
+from pdserve.transfer.transport import BackendUnavailableError
+from pdserve.transfer.transport.nixl_peer import load_nixl
+from pdserve.vllm.agent import Results, TransferAgent
+from pdserve.vllm.config import VllmConnectorConfig
+from pdserve.vllm.layout import KVLayout
+from pdserve.vllm.specs import RecvSpec, ReleaseSpec, SendSpec
+
+NUM_BLOCKS, LAYERS = 16, 2
+
+
+def _nixl_available() -> bool:
+    try:
+        load_nixl()
+    except BackendUnavailableError:
+        return False
+    return True
+
+
+TRANSPORTS = [
+    "tcp",
+    pytest.param(
+        "nixl",
+        marks=[
+            pytest.mark.nixl,
+            pytest.mark.skipif(not _nixl_available(), reason="nixl not installed"),
+        ],
+    ),
+]
+
+
+def caches(fill: float | None) -> dict[str, torch.Tensor]:
+    out = {}
+    for i in range(LAYERS):
+        t = torch.zeros(NUM_BLOCKS, 2, 4, 16)
+        if fill is None:
+            t.copy_(torch.randn_like(t))
+        out[f"model.layers.{i}.attn"] = t
+    return out
+
+
+def make_agent(name: str, kv: dict[str, torch.Tensor], **cfg: object) -> TransferAgent:
+    conf = VllmConnectorConfig.from_extra({"side_port": free_port(), **cfg})
+    layout = KVLayout.from_caches(kv)
+    compat = m.Compat(
+        model="x",
+        dtype="f32",
+        num_layers=LAYERS,
+        num_kv_heads=2,
+        head_dim=16,
+        block_size=4,
+        layout=layout.signature(),
+    )
+    return TransferAgent(conf, name, layout, compat)
+
+
+def wait_results(agent: TransferAgent, want: str, rid: str, timeout_s: float = 20) -> Results:
+    got = Results()
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        r = agent.take_results()
+        got.finished_sending |= r.finished_sending
+        got.finished_recving |= r.finished_recving
+        got.failed_recving |= r.failed_recving
+        if rid in getattr(got, want):
+            return got
+        time.sleep(0.05)
+    raise AssertionError(f"{rid} not in {want} after {timeout_s} s: {got}")
+
+
+@pytest.fixture(params=TRANSPORTS)
+def pair(
+    request: pytest.FixtureRequest,
+) -> Iterator[tuple[TransferAgent, TransferAgent, dict, dict]]:
+    p_kv, d_kv = caches(None), caches(0.0)
+    conf = {"heartbeat_s": 0.2, "heartbeat_misses": 5, "transport": request.param}
+    p = make_agent("P", p_kv, **conf)
+    d = make_agent("D", d_kv, **conf)
+    yield p, d, p_kv, d_kv
+    p.close()
+    d.close()
+
+
+def recv_spec(p: TransferAgent, mode: str, dst: list[int], src: list[int], first: int = 0):
+    return RecvSpec(
+        request_id="d-req",
+        mode=mode,
+        remote_engine_id=p.me.engine_id,
+        remote_incarnation=p.me.incarnation,
+        remote_request_id="p-req",
+        remote_address=p.side.address,
+        block_ids=dst,
+        remote_block_ids=src,
+        first_block=first,
+        num_tokens=len(src) * 4,
+    )
+
+
+@pytest.mark.parametrize("mode", ["push", "pull"])
+@pytest.mark.parametrize("p_first", [True, False])
+def test_blocks_arrive_and_both_sides_give_them_back(pair, mode: str, p_first: bool) -> None:
+    p, d, p_kv, d_kv = pair
+    src, dst = [3, 4, 9, 10], [0, 1, 7, 12]
+    send = SendSpec(request_id="p-req", block_ids=src, num_tokens=15)
+    if p_first:
+        p.send(send)
+        time.sleep(0.2)
+    d.recv(recv_spec(p, mode, dst[1:], src, first=1))
+    if not p_first:
+        time.sleep(0.5)
+        p.send(send)
+    got = wait_results(d, "finished_recving", "d-req")
+    assert got.failed_recving == set()
+    wait_results(p, "finished_sending", "p-req")
+    for name in p_kv:
+        for s, t in zip(src[1:], dst[1:], strict=True):
+            assert torch.equal(d_kv[name][t], p_kv[name][s])
+        assert not d_kv[name][dst[0]].any()  # block 0 was D's own prefix: untouched
+
+
+def test_release_frees_prefill_blocks_d_will_not_load(pair) -> None:
+    p, d, _, _ = pair
+    p.send(SendSpec(request_id="p-req", block_ids=[2], num_tokens=1))
+    d.release(ReleaseSpec(remote_request_id="p-req", remote_address=p.side.address))
+    wait_results(p, "finished_sending", "p-req", timeout_s=5)
+
+
+def test_lost_prefill_fails_the_receive(pair) -> None:
+    p, d, _, _ = pair
+    d.recv(recv_spec(p, "push", [1], [2]))  # P never finishes this request
+    time.sleep(0.5)
+    p.close()  # P gone: D's heartbeat declares it dead
+    got = wait_results(d, "finished_recving", "d-req")
+    assert got.failed_recving == {"d-req"}
+
+
+def test_lease_frees_blocks_nobody_came_for() -> None:
+    p = make_agent("P", caches(None), lease_s=0.5)
+    try:
+        p.send(SendSpec(request_id="p-req", block_ids=[1, 2], num_tokens=8))
+        wait_results(p, "finished_sending", "p-req", timeout_s=5)
+    finally:
+        p.close()
+
+
+def test_unknown_request_fails_after_grace(pair) -> None:
+    p, d, _, _ = pair
+    p.close()
+    p2 = make_agent("P", caches(None), registration_grace_s=0.5)
+    try:
+        d.recv(recv_spec(p2, "push", [1], [2]))
+        got = wait_results(d, "finished_recving", "d-req")
+        assert got.failed_recving == {"d-req"}
+    finally:
+        p2.close()
+
+
+def test_abort_while_waiting_returns_blocks_after_p_acks(pair) -> None:
+    p, d, _, _ = pair
+    d.recv(recv_spec(p, "push", [1], [2]))
+    time.sleep(0.5)  # registered at P, which has no finished request yet
+    d.finished({"d-req"})
+    got = wait_results(d, "finished_recving", "d-req")
+    assert "d-req" in got.finished_recving
+    p.send(SendSpec(request_id="p-req", block_ids=[2], num_tokens=4))
+    wait_results(p, "finished_sending", "p-req", timeout_s=5)

@@ -1,0 +1,171 @@
+"""`pdserve serve --engine vllm` and `pdserve up --engine vllm`, with real vLLM servers.
+
+Run with the .venv-vllm interpreter (`.venv-vllm/bin/python -m pytest -o addopts=
+tests/vllm/test_engine_vllm.py`); under an interpreter without vLLM, and without the
+checkout's .venv-vllm, every test is skipped with the reason. vLLM's CPU servers take
+minutes to start here, so there are two: a monolithic instance (the reference), then a 1P1D
+cluster behind pdserve's router with vLLM's NixlConnector (pull), one at a time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from pdserve.launcher import Cluster, ClusterConfig
+from pdserve.ports import free_port
+from pdserve.vllm.instance import VllmNotFound, find_vllm_python
+
+try:
+    VLLM_PYTHON: str | None = find_vllm_python(None)
+except VllmNotFound as exc:
+    VLLM_PYTHON, WHY = None, str(exc)
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.timeout(1800),
+    pytest.mark.skipif(VLLM_PYTHON is None, reason=f"no vLLM: {WHY if not VLLM_PYTHON else ''}"),
+]
+
+STARTUP_TIMEOUT_S = 900.0
+MAX_MODEL_LEN = "2048"
+# Prompts of different lengths (token ids; the byte tokenizer has 259), greedy.
+PROMPTS = [[(7 * i + 3) % 250 + 3 for i in range(n)] for n in (24, 150, 700)]
+MAX_TOKENS = 12
+
+
+def _make_checkpoint(out: Path) -> Path:
+    """A small random Qwen3 whose weights are scaled up so that greedy output depends on the
+    prompt (at the default scale every prompt decodes the same token)."""
+    from safetensors.torch import load_file, save_file
+
+    from pdserve.bench.make_checkpoint import write_checkpoint
+
+    shape = dict(layers=2, hidden=256, intermediate=512, heads=4, kv_heads=2, head_dim=64)
+    write_checkpoint(
+        argparse.Namespace(**shape, vocab_size=None, max_positions=4096, dtype="float32", seed=0),
+        out,
+    )
+    weights = load_file(out / "model.safetensors")
+    scaled = {k: (v * 6 if v.dim() == 2 else v).contiguous() for k, v in weights.items()}
+    save_file(scaled, out / "model.safetensors", metadata={"format": "pt"})
+    return out
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _make_checkpoint(tmp_path_factory.mktemp("vllm-engine") / "ckpt")
+
+
+def _greedy(url: str, model: str, prompt: list[int]) -> list[int]:
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
+    r = httpx.post(f"{url}/v1/completions", json=body, timeout=600)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "length"
+    return list(choice["token_ids"])
+
+
+def _wait_healthy(proc: subprocess.Popen[bytes], url: str, log: Path) -> None:
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"vLLM exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(2)
+    pytest.fail(f"vLLM not healthy after {STARTUP_TIMEOUT_S} s:\n{log.read_text()[-3000:]}")
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM to the instance's PID; its own session's group if it does not stop in time
+    (it was started in a session of its own, so the group is its engine core and worker)."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+@dataclass(frozen=True)
+class MonolithicRun:
+    """What the monolithic `pdserve serve --engine vllm` answered before it was stopped."""
+
+    completion: dict[str, Any]  # its answer to a plain text completion
+    reference: list[list[int]]  # its greedy tokens for PROMPTS
+
+
+@pytest.fixture(scope="module")
+def monolithic(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> MonolithicRun:
+    """Start `pdserve serve --engine vllm` (monolithic) on a free port, ask it everything
+    the tests need, and stop it by PID (three vLLM servers on two cores would be too many
+    for the cluster that follows)."""
+    port = free_port()
+    log = tmp_path_factory.mktemp("mono-log") / "mono.log"
+    cmd = [sys.executable, "-m", "pdserve", "serve", "--engine", "vllm", "--model",
+           str(checkpoint), "--port", str(port), "--max-model-len", MAX_MODEL_LEN,
+           "--threads", "1", "--vllm-python", str(VLLM_PYTHON)]  # fmt: skip
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        _wait_healthy(proc, url, log)
+        body = {"model": str(checkpoint), "prompt": "hello", "max_tokens": 5, "temperature": 0}
+        r = httpx.post(f"{url}/v1/completions", json=body, timeout=600)
+        assert r.status_code == 200, r.text
+        return MonolithicRun(r.json(), [_greedy(url, str(checkpoint), p) for p in PROMPTS])
+    finally:
+        _stop(proc)
+
+
+def test_serve_engine_vllm_answers_a_completion(monolithic: MonolithicRun) -> None:
+    assert monolithic.completion["usage"]["completion_tokens"] == 5
+    assert monolithic.completion["choices"][0]["finish_reason"] == "length"
+    assert all(len(tokens) == MAX_TOKENS for tokens in monolithic.reference)
+    assert len({tuple(t) for t in monolithic.reference}) > 1  # outputs depend on the prompt
+
+
+def test_up_engine_vllm_nixl_pull_equals_monolithic(
+    checkpoint: Path, monolithic: MonolithicRun, tmp_path: Path
+) -> None:
+    config = ClusterConfig(
+        kv_transfer="pull",
+        engine="vllm",
+        connector="nixl",
+        vllm_python=VLLM_PYTHON,
+        model=str(checkpoint),
+        local_prefill_below=0,  # every prompt goes through P and D
+        instance_args=("--max-model-len", MAX_MODEL_LEN),
+        log_dir=tmp_path / "logs",
+        startup_timeout_s=STARTUP_TIMEOUT_S,
+        stop_timeout_s=60,
+    )
+    with Cluster(config) as cluster:
+        got = [_greedy(cluster.router_url, str(checkpoint), p) for p in PROMPTS]
+        metrics = httpx.get(f"{cluster.router_url}/metrics").text
+        d_log = cluster.instance("decode-0").log_path.read_text()
+    assert got == monolithic.reference
+    assert f'pdserve_router_requests_total{{mode="pull",status="200"}} {len(PROMPTS)}.0' in metrics
+    assert "NIXL compatibility check passed" in d_log  # D really read P's KV over NIXL
