@@ -65,6 +65,13 @@ def test_cooldown_holds_one_decision_after_a_change() -> None:
     assert "no room" in third.reason
 
 
+def test_both_over_target_grows_what_can_grow() -> None:
+    both = Observation(1, 1, ttft_s=4.0, tpot_s=0.1)  # decode further over its target
+    assert _decide(both) is Action.ADD_DECODE
+    at_max = PlannerConfig(ttft_target_s=1.5, tpot_target_s=0.025, max_decode=1, max_total=3)
+    assert decide(at_max, both, PlannerState())[0].action is Action.ADD_PREFILL
+
+
 def test_bounds_are_checked() -> None:
     with pytest.raises(ValueError):
         PlannerConfig(min_prefill=2, max_prefill=1)

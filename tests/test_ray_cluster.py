@@ -154,30 +154,34 @@ def _busy(cluster, name: str) -> bool:
 
 def test_planner_scales_up_under_load_and_down_when_idle(reference: dict[str, str]) -> None:
     """The planner's real loop on Ray (2 cores: the mechanism, not the speed): long prompts
-    in flight push TTFT over a tight target, so it adds a prefill instance; an idle window
-    then shows prefill well within target, so it drains one again."""
+    queue up on P (its steps made 100 ms longer on purpose, so this does not depend on the
+    machine's speed), so it adds a prefill instance; an idle window then shows prefill well
+    within target, so it drains one again."""
     from pdserve.cluster.planner_loop import RayPlannerLoop
     from pdserve.planner.config import PlannerConfig
     from pdserve.planner.policy import Action
 
     cfg = PlannerConfig(
-        ttft_target_s=0.02,
-        tpot_target_s=60.0,  # decode never hot here: the test is about prefill
+        ttft_target_s=5.0,  # P's queue, not a latency, is what gets over its limit here
+        tpot_target_s=60.0,
+        queue_high=0.5,
         max_prefill=2,
         max_decode=1,
         max_total=3,
         cooldown=0,
     )
-    # Every engine step 100 ms longer: P's part of TTFT is then well over the 20 ms target
-    # however fast this machine is (a wait, not a speed, decides it).
     with _cluster("push", 1, 1, "--fault-step-delay-ms", "100") as cluster:
         planner = RayPlannerLoop(cluster, cfg)
-        for prompt in PROMPTS:
-            complete(cluster.router_url, prompt * 4, 4)
-        up = planner.step()
+        prompts = [p * 4 for p in PROMPTS] * 4
+        with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+            futures = [pool.submit(complete, cluster.router_url, p, 4) for p in prompts]
+            wait_for(lambda: _waiting(cluster, "prefill-0") >= 2, 120, "a queue on prefill-0")
+            up = planner.step()
+            assert all(f.result() for f in futures)
         assert up.action is Action.ADD_PREFILL, up.reason
         assert cluster.names("prefill") == ["prefill-0", "prefill-1"]
         cluster.wait_router_sees(3)
+        planner.observe()  # the burst's last requests end this window
         down = planner.step()  # nothing was sent since: an idle window
         assert down.action is Action.REMOVE_PREFILL, down.reason
         assert cluster.names("prefill") == ["prefill-0"]
@@ -187,6 +191,11 @@ def test_planner_scales_up_under_load_and_down_when_idle(reference: dict[str, st
         for action in (Action.ADD_PREFILL, Action.REMOVE_PREFILL):
             labels = {"action": action.value}
             assert metrics.get_sample_value("pdserve_planner_decisions_total", labels) == 1
+
+
+def _waiting(cluster, name: str) -> int:
+    load = cluster.load(name)
+    return 0 if load is None else load.num_waiting
 
 
 def test_up_ray_command_prints_the_table_serves_and_stops(tmp_path: Path) -> None:

@@ -9,7 +9,8 @@ Rules, one change at most per decision (a role's hot/cold is defined in `Planner
 1. only prefill hot: add a prefill instance; at the size bound, move one decode instance
    to prefill if decode is cold; else hold.
 2. only decode hot: the same the other way round.
-3. both hot: add to the role further over its target, if the size bound allows.
+3. both hot: add to the role further over its target, or else to the other one, as far
+   as the bounds allow.
 4. neither hot: remove an instance of a cold role (prefill first) above its minimum.
 """
 
@@ -109,11 +110,11 @@ def _choose(cfg: PlannerConfig, obs: Observation) -> tuple[Action, str]:
     can_add_p = room and obs.num_prefill < cfg.max_prefill
     can_add_d = room and obs.num_decode < cfg.max_decode
     p_cold, d_cold = _cold(cfg, obs)
-    if p_hot and d_hot:
-        if p_ratio >= d_ratio and can_add_p:
-            return Action.ADD_PREFILL, "both over target, prefill further"
+    if p_hot and d_hot:  # grow the role further over target, else the one that can grow
+        if can_add_p and (p_ratio >= d_ratio or not can_add_d):
+            return Action.ADD_PREFILL, "both over target: one more prefill instance"
         if can_add_d:
-            return Action.ADD_DECODE, "both over target, decode further"
+            return Action.ADD_DECODE, "both over target: one more decode instance"
         return Action.HOLD, "both over target and no room to grow"
     if p_hot:
         return _grow(
