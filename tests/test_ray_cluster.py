@@ -170,7 +170,9 @@ def test_planner_scales_up_under_load_and_down_when_idle(reference: dict[str, st
         max_total=3,
         cooldown=0,
     )
-    with _cluster("push", 1, 1, "--fault-step-delay-ms", "100") as cluster:
+    # 512 blocks: the burst must queue on P, not hit P's cap on unclaimed holds (a 503).
+    slow = ("--fault-step-delay-ms", "100", "--num-kv-blocks", "512")
+    with _cluster("push", 1, 1, *slow) as cluster:
         planner = RayPlannerLoop(cluster, cfg)
         prompts = [p * 4 for p in PROMPTS] * 4
         with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
