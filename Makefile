@@ -24,7 +24,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q $(TORCH)
-	$(PIP) install -q -e '.[test,bench,sim]'
+	$(PIP) install -q -e '.[test,bench,sim,ray]'
 	-$(PIP) install -q 'nixl-cu12>=0.7' || echo "nixl not installed: the tcp transport still works"
 	touch $(STAMP)
 

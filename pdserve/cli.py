@@ -19,7 +19,7 @@ from pdserve import __version__
 COMMANDS: tuple[tuple[str, str, str], ...] = (
     ("serve", "pdserve.server.serve", "run one instance (monolithic, prefill or decode)"),
     ("router", "pdserve.router.serve", "run the OpenAI-compatible P/D router"),
-    ("up", "pdserve.launcher", "start a local P/D cluster (instances + router)"),
+    ("up", "pdserve.cluster.up", "start a P/D cluster (instances + router), locally or on Ray"),
     ("sim", "pdserve.sim.cli", "simulate a P/D cluster: pull vs push"),
 )
 BENCH_COMMANDS: tuple[tuple[str, str, str], ...] = (

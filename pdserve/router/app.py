@@ -29,6 +29,7 @@ from fastapi.responses import JSONResponse, Response
 from pdserve.router.config import RouterConfig
 from pdserve.router.dispatch import Call, Dispatcher, cancel_and_wait
 from pdserve.router.health import NO_PREFILL_DEGRADED, HealthMonitor, Instance, InstancePool
+from pdserve.router.membership import MembershipSource, MembershipWatcher
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.upstream import Answer, Upstream
 from pdserve.server.body_limit import BodySizeLimit
@@ -58,8 +59,10 @@ def _upstream(config: RouterConfig) -> Upstream:
     return Upstream(config.request_timeout_s, config.connect_timeout_s, config.max_connections)
 
 
-def create_app(config: RouterConfig) -> FastAPI:
-    """A router app for `config`; serve it with uvicorn (its lifespan starts health checks)."""
+def create_app(config: RouterConfig, membership: MembershipSource | None = None) -> FastAPI:
+    """A router app for `config`; serve it with uvicorn (its lifespan starts health checks).
+    With `membership`, the instances are the source's (pdserve.router.membership), the
+    config's URLs only the first ones."""
     pool = InstancePool(config)
     metrics = RouterMetrics(pool)
 
@@ -69,10 +72,16 @@ def create_app(config: RouterConfig) -> FastAPI:
             dispatcher = Dispatcher(config, upstream, pool, metrics)
             monitor = HealthMonitor(pool, upstream, config)
             app.state.router = RouterState(config, pool, metrics, upstream, dispatcher)
+            watcher = None
+            if membership is not None:
+                watcher = MembershipWatcher(pool, membership, config.health_interval_s / 2)
+                await watcher.start()
             await monitor.start()
             try:
                 yield
             finally:
+                if watcher is not None:
+                    await watcher.stop()
                 await monitor.stop()
                 await dispatcher.aclose()
 

@@ -145,7 +145,9 @@ class Instance:
 
 
 class InstancePool:
-    """The configured instances and one selection policy per role."""
+    """The configured instances and one selection policy per role. `instances` is replaced
+    whole (never mutated in place) when a membership source changes it
+    (`pdserve.router.membership`)."""
 
     def __init__(self, config: RouterConfig) -> None:
         peers = config.prefill_peers or (None,) * len(config.prefill_urls)
@@ -252,8 +254,9 @@ class HealthMonitor:
         """One health round over every instance: probes and /kv/info reads concurrently,
         then admissions in the configured order (prefill URLs, then decode URLs), so the
         instance that sets the cluster's model and transport does not depend on timing."""
-        seen = await asyncio.gather(*(self._observe(i) for i in self._pool.instances))
-        for inst, candidate in zip(self._pool.instances, seen, strict=True):
+        instances = self._pool.instances  # a membership change may replace it meanwhile
+        seen = await asyncio.gather(*(self._observe(i) for i in instances))
+        for inst, candidate in zip(instances, seen, strict=True):
             if candidate is not None:
                 self._admit(inst, candidate)
 

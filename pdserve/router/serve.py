@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import socket
 
 import uvicorn
 
@@ -17,6 +18,7 @@ from pdserve.router.config import (
     RouterConfig,
     normalize_url,
 )
+from pdserve.router.membership import MembershipSource
 from pdserve.router.vllm_legs import PrefillPeer
 from pdserve.server.exposure import router_warning
 from pdserve.server.http_protocol import HeaderDeadlineProtocol, quiet_polls
@@ -169,11 +171,25 @@ def main(args: argparse.Namespace) -> int:
     except OSError as exc:
         log.error("cannot listen on %s:%d: %s", config.host, config.port, exc)
         return EXIT_ADDRESS_IN_USE if is_address_in_use(exc) else 1
+    with sock:
+        serve_on(config, sock, args.log_level, args.access_log)
+    return 0
+
+
+def serve_on(
+    config: RouterConfig,
+    sock: socket.socket,
+    log_level: str,
+    access_log: bool = False,
+    membership: MembershipSource | None = None,
+) -> None:
+    """Serve the router app on a listening `sock` until uvicorn stops (a signal in the main
+    thread; `pdserve.cluster` runs it in an actor's thread, with a membership source)."""
     server = uvicorn.Server(
         uvicorn.Config(
-            create_app(config),
-            log_level=args.log_level,
-            access_log=args.access_log,
+            create_app(config, membership),
+            log_level=log_level,
+            access_log=access_log,
             # Open client streams must not hold a shutdown (Ctrl-C, `pdserve up` stopping) long.
             timeout_graceful_shutdown=5,
             timeout_keep_alive=SERVER_KEEPALIVE_S,  # longer than clients keep theirs
@@ -181,7 +197,5 @@ def main(args: argparse.Namespace) -> int:
             http=HeaderDeadlineProtocol,  # slow or silent headers are cut off
         )
     )
-    with sock:
-        quiet_polls()  # after uvicorn.Config, which configures its loggers
-        server.run(sockets=[sock])
-    return 0
+    quiet_polls()  # after uvicorn.Config, which configures its loggers
+    server.run(sockets=[sock])

@@ -73,6 +73,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="NAME",
         help="simulate a validation set (e.g. seed-p5en) and print the error per point",
     )
+    c.add_argument(
+        "--planner-shift",
+        action="store_true",
+        help="replay a load that shifts from prefill-heavy to decode-heavy with the planner "
+        "choosing the layout each window, against fixed 1P1D/2P1D/1P2D, in the first --mode "
+        "(docs/multi-host.md)",
+    )
 
     w = parser.add_argument_group("workload (as `pdserve bench serve`)")
     w.add_argument("--dataset-path", "--trace", type=Path, default=None)
@@ -201,6 +208,11 @@ def main(args: argparse.Namespace) -> int:
         return 0
     if args.validate:
         return _validate(args.validate)
+    if args.planner_shift:
+        from pdserve.sim.planner_replay import shift_report
+
+        print(shift_report(config_from_args(args).cluster))
+        return 0
     if args.save_result is not None and (args.sweep or len(args.mode) > 1):
         print("pdserve sim: --save-result takes one run; use --out DIR", file=sys.stderr)
         return 2

@@ -1,0 +1,1 @@
+"""pdserve on a Ray cluster: instances and the router as Ray actors (`pdserve up --ray`)."""

@@ -1,0 +1,87 @@
+"""Connecting to Ray: a cluster to join, or a local one kept on loopback.
+
+Network hygiene: a local cluster is started with `node_ip_address=127.0.0.1` and with
+`RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0` in the environment; measured with ray 2.60, that
+keeps the GCS, the raylet, the runtime-env agent and every worker listening on 127.0.0.1
+only (without them some listen on all interfaces or on the host's address). The dashboard
+is off. Token authentication stays on: `RAY_AUTH_MODE=token`, with a token made here for
+a local cluster (in the environment of this process and of the Ray processes it starts,
+never written to ~/.ray), or the caller's `RAY_AUTH_TOKEN` / `~/.ray/auth_token` when
+joining one.
+
+The environment variables are set in this process because Ray reads them from there (and
+hands them to the processes it starts); `connect` is called once per process.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+LOOPBACK = "127.0.0.1"
+RAY_TOKEN_ENV = "RAY_AUTH_TOKEN"
+
+
+@dataclass(frozen=True)
+class RayConnection:
+    """How `pdserve up --ray` reaches Ray."""
+
+    address: str | None = None  # a running cluster ("host:port"); None: start a local one
+    num_cpus: int | None = None  # a local cluster's CPUs (None: Ray's count)
+    temp_dir: Path | None = None  # a local cluster's session folder (None: Ray's default)
+    namespace: str = "pdserve"
+
+    @property
+    def local(self) -> bool:
+        return self.address is None
+
+
+def ray_environment(local: bool) -> dict[str, str]:
+    """The variables `connect` sets: token authentication, and for a local cluster
+    loopback-only services. (`RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0` makes Ray a one-node
+    cluster, which is what keeps it on loopback; nodes that join another cluster, as in
+    docs/multi-host.md, need it unset or 1.)"""
+    env = {"RAY_AUTH_MODE": "token", "RAY_USAGE_STATS_ENABLED": "0"}
+    if local:
+        env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    if local and not os.environ.get(RAY_TOKEN_ENV):
+        env[RAY_TOKEN_ENV] = secrets.token_hex(32)
+    return env
+
+
+def connect(conn: RayConnection) -> None:
+    """`ray.init` for `conn`: join `address`, or start a local loopback cluster that
+    `disconnect` stops again."""
+    # Ray reads its authentication mode once, when imported: set it first, and if Ray was
+    # imported already, have it read the mode and token again (what `ray.init` itself
+    # does when it turns token authentication on).
+    imported = "ray" in sys.modules
+    os.environ.update(ray_environment(conn.local))
+    import ray
+
+    if imported:
+        from ray._raylet import AuthenticationTokenLoader, Config
+
+        Config.initialize("")
+        AuthenticationTokenLoader.instance().reset_cache()
+    if conn.local:
+        ray.init(
+            _node_ip_address=LOOPBACK,
+            include_dashboard=False,
+            num_cpus=conn.num_cpus,
+            _temp_dir=str(conn.temp_dir) if conn.temp_dir else None,
+            namespace=conn.namespace,
+            log_to_driver=False,
+        )
+    else:
+        ray.init(address=conn.address, namespace=conn.namespace, log_to_driver=False)
+
+
+def disconnect() -> None:
+    """Leave Ray; a local cluster started by `connect` stops with it."""
+    import ray
+
+    ray.shutdown()

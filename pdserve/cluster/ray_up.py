@@ -1,0 +1,122 @@
+"""`pdserve up --ray`: the cluster of `pdserve up` on Ray, with an optional planner.
+
+Prints the same table as `pdserve up` (role, URL, PID of the process that serves it, its
+node), then watches: each restart or move Ray makes is printed with the instance's new
+row, and with `--planner` each planner decision too (`pdserve.cluster.planner_loop`). Ctrl-C
+or SIGTERM stops the actors (and a local Ray cluster).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import secrets
+import signal
+import sys
+import threading
+import time
+
+from pdserve.cluster.ray_args import planner_config_from_args
+from pdserve.cluster.ray_cluster import RayCluster, RayClusterConfig
+from pdserve.cluster.ray_local import RayConnection
+from pdserve.cluster.registry import InstanceRecord
+from pdserve.launcher import TOKEN_ENV, config_from_args
+
+WATCH_INTERVAL_S = 1.0
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+def ray_config_from_args(args: argparse.Namespace) -> RayClusterConfig:
+    """The `RayClusterConfig` of parsed `pdserve up --ray` flags."""
+    return RayClusterConfig(
+        cluster=config_from_args(args),
+        connection=RayConnection(address=args.ray_address, num_cpus=args.ray_num_cpus),
+        actor_cpus=args.actor_cpus,
+        max_restarts=args.max_restarts,
+    )
+
+
+def main(args: argparse.Namespace) -> int:
+    """Start on Ray, print the table, watch (and plan) until a stop signal."""
+    logging.basicConfig(level=logging.INFO, format="pdserve up: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    if args.monolithic:
+        print("pdserve up: --ray starts a P/D cluster (use --kv-transfer)", file=sys.stderr)
+        return 2
+    try:
+        config = ray_config_from_args(args)
+        planner = planner_config_from_args(args) if args.planner else None
+    except ValueError as exc:
+        print(f"pdserve up: {exc}", file=sys.stderr)
+        return 2
+    token = config.cluster.cluster_token or secrets.token_hex(16)
+    cluster = RayCluster(config, token)
+    stop = _StopRequest()
+    previous = {s: signal.signal(s, stop.on_signal) for s in _STOP_SIGNALS}
+    try:
+        print("pdserve up: starting on Ray", flush=True)
+        cluster.start()
+        stop.watching = True
+        print_table(cluster)
+        _watch(cluster, stop.requested, planner)
+        print("pdserve up: stopping", flush=True)
+        return 0
+    except KeyboardInterrupt:
+        print("pdserve up: stopping", flush=True)
+        return 0
+    except (RuntimeError, TimeoutError) as exc:
+        print(f"pdserve up: {exc}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        cluster.stop()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+class _StopRequest:
+    """Ctrl-C, SIGTERM, SIGHUP: during the start, KeyboardInterrupt (the start stops what
+    it started); once watching, a request the watch loop sees between two rounds."""
+
+    def __init__(self) -> None:
+        self.requested = threading.Event()
+        self.watching = False
+
+    def on_signal(self, signum: int, frame: object) -> None:
+        if not self.watching:
+            raise KeyboardInterrupt(signal.Signals(signum).name)
+        self.requested.set()
+
+
+def _watch(cluster: RayCluster, stop: threading.Event, planner: object) -> None:
+    from pdserve.cluster.planner_loop import RayPlannerLoop
+    from pdserve.planner.config import PlannerConfig
+
+    loop = RayPlannerLoop(cluster, planner) if isinstance(planner, PlannerConfig) else None
+    next_plan = time.monotonic() + (loop.cfg.interval_s if loop else 0.0)
+    while not stop.wait(WATCH_INTERVAL_S):
+        changes = cluster.changes()
+        for line in changes:
+            print(f"pdserve up: {line}", flush=True)
+        if changes:
+            print_table(cluster)
+        if loop is not None and time.monotonic() >= next_plan:
+            if loop.step().changes:
+                print_table(cluster)
+            next_plan = time.monotonic() + loop.cfg.interval_s
+
+
+def print_table(cluster: RayCluster) -> None:
+    """The status table: the router, then every instance's current incarnation."""
+    print(f"\npdserve up: ready on Ray\n  URL      {cluster.router_url}", flush=True)
+    print(f"  {'router':<8} {cluster.router_url:<26} pid {cluster.router_pid:<8}", flush=True)
+    for r in cluster.records():
+        print(status_row(r), flush=True)
+    print(f"  cluster token: in ${TOKEN_ENV} of each actor", flush=True)
+
+
+def status_row(r: InstanceRecord) -> str:
+    """One instance's row: role, URL, PID, node, restarts."""
+    return (
+        f"  {r.role:<8} {r.url:<26} pid {r.pid:<8} node {r.node_ip} ({r.node_id[:8]}) "
+        f"restarts {r.restarts}"
+    )
