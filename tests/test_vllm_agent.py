@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 
+import msgspec
 import pytest
 import torch
 
@@ -180,3 +181,42 @@ def test_abort_while_waiting_returns_blocks_after_p_acks(pair) -> None:
     assert "d-req" in got.finished_recving
     p.send(SendSpec(request_id="p-req", block_ids=[2], num_tokens=4))
     wait_results(p, "finished_sending", "p-req", timeout_s=5)
+
+
+@pytest.mark.parametrize("p_first", [True, False])
+def test_push_without_p_incarnation_pairs_by_transfer_id(pair, p_first: bool) -> None:
+    # Both legs at once: D's spec names P by engine id and address only, and the transfer
+    # by the router's id, which P's request (a different id) carries.
+    p, d, p_kv, d_kv = pair
+    src, dst = [3, 4], [5, 6]
+    send = SendSpec(request_id="p-req", block_ids=src, num_tokens=8, transfer_id="t1")
+    spec = RecvSpec(
+        request_id="d-req",
+        mode="push",
+        remote_engine_id=p.me.engine_id,
+        remote_incarnation="",
+        remote_request_id="t1",
+        remote_address=p.side.address,
+        block_ids=dst,
+        remote_block_ids=[],
+        first_block=0,
+        num_tokens=8,
+    )
+    if p_first:
+        p.send(send)
+        time.sleep(0.2)
+    d.recv(spec)
+    if not p_first:
+        time.sleep(0.5)  # the registration waits on P for its request
+        p.send(send)
+    got = wait_results(d, "finished_recving", "d-req")
+    assert got.failed_recving == set()
+    assert "p-req" in wait_results(p, "finished_sending", "p-req").finished_sending
+    assert p.early_registrations == (0 if p_first else 1)
+    for name in p_kv:
+        for s, t in zip(src, dst, strict=True):
+            assert torch.equal(d_kv[name][t], p_kv[name][s])
+    # a second transfer reuses the incarnation the first handshake found
+    d.recv(msgspec.structs.replace(spec, request_id="d-req2", remote_request_id="t2"))
+    p.send(SendSpec(request_id="p-req2", block_ids=src, num_tokens=8, transfer_id="t2"))
+    assert wait_results(d, "finished_recving", "d-req2").failed_recving == set()
