@@ -220,3 +220,31 @@ def test_push_without_p_incarnation_pairs_by_transfer_id(pair, p_first: bool) ->
     d.recv(msgspec.structs.replace(spec, request_id="d-req2", remote_request_id="t2"))
     p.send(SendSpec(request_id="p-req2", block_ids=src, num_tokens=8, transfer_id="t2"))
     assert wait_results(d, "finished_recving", "d-req2").failed_recving == set()
+
+
+def test_registration_for_a_prefill_that_never_ends_fails_the_receive() -> None:
+    # Legs at once, and P's leg failed (P never hands the agent the request): D's receive
+    # ends (failed) once P's registration grace is over, rather than waiting for ever.
+    p_kv, d_kv = caches(None), caches(0.0)
+    p = make_agent("P", p_kv, registration_grace_s=0.5)
+    d = make_agent("D", d_kv)
+    try:
+        spec = RecvSpec(
+            request_id="d-req",
+            mode="push",
+            remote_engine_id=p.me.engine_id,
+            remote_incarnation="",
+            remote_request_id="t-lost",
+            remote_address=p.side.address,
+            block_ids=[1],
+            remote_block_ids=[],
+            first_block=0,
+            num_tokens=4,
+        )
+        d.recv(spec)
+        got = wait_results(d, "finished_recving", "d-req", timeout_s=10)
+        assert got.failed_recving == {"d-req"}
+        assert p.early_registrations == 1
+    finally:
+        p.close()
+        d.close()
