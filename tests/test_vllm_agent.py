@@ -248,3 +248,47 @@ def test_registration_for_a_prefill_that_never_ends_fails_the_receive() -> None:
     finally:
         p.close()
         d.close()
+
+
+def test_restarted_prefill_is_found_again_without_an_incarnation() -> None:
+    # Specs naming no incarnation reuse the one D's last handshake found at that address;
+    # once P restarted there, the first receive fails (P does not know D's connection)
+    # and the next one handshakes again with the new incarnation.
+    p_kv, d_kv = caches(None), caches(0.0)
+    port = free_port()
+    p = make_agent("P", p_kv, side_port=port)
+    d = make_agent("D", d_kv)
+    p2 = None
+    try:
+
+        def spec(rid: str) -> RecvSpec:
+            return RecvSpec(
+                request_id=rid,
+                mode="push",
+                remote_engine_id="P",
+                remote_incarnation="",
+                remote_request_id=f"t-{rid}",
+                remote_address=p.side.address,
+                block_ids=[1],
+                remote_block_ids=[],
+                first_block=0,
+                num_tokens=4,
+            )
+
+        def transfer(agent: TransferAgent, rid: str) -> Results:
+            d.recv(spec(rid))
+            agent.send(
+                SendSpec(request_id=rid, block_ids=[2], num_tokens=4, transfer_id=f"t-{rid}")
+            )
+            return wait_results(d, "finished_recving", rid)
+
+        assert transfer(p, "r1").failed_recving == set()
+        p.close()
+        p2 = make_agent("P", p_kv, side_port=port)  # same engine id and address, new incarnation
+        assert p2.me.incarnation != p.me.incarnation
+        assert transfer(p2, "r2").failed_recving == {"r2"}
+        assert transfer(p2, "r3").failed_recving == set()
+    finally:
+        for agent in (p2, d):
+            if agent is not None:
+                agent.close()

@@ -515,8 +515,15 @@ class TransferAgent:
 
     def _on_push_failed(self, msg: m.PushFailed) -> None:
         rid = next((r for (_, t), r in self._by_transfer.items() if t == msg.transfer_id), None)
-        if rid is not None:
-            self._received(rid, False, f"P will not write: {msg.cause.value}: {msg.reason}")
+        if rid is None:
+            return
+        why = f"P will not write: {msg.cause.value}: {msg.reason}"
+        if msg.cause is m.PushFailCause.UNKNOWN_PEER:
+            # P does not know our connection (it restarted, and specs naming no incarnation
+            # reached it through the old one): drop it, the next receive handshakes again.
+            self._fence(self._key(self._recvs[rid].spec), why)
+        if rid in self._recvs:
+            self._received(rid, False, why)
 
     def _on_abort_ack(self, msg: m.PushAbortAck) -> None:
         rid = next((r for (_, t), r in self._by_transfer.items() if t == msg.transfer_id), None)
