@@ -188,21 +188,43 @@ def test_two_push_requests_get_different_request_ids() -> None:
     assert len(set(ids)) == 2 and "a" not in ids
 
 
-def test_push_with_pdserves_connector_sends_d_what_p_returned() -> None:
-    # pdserve's connector inside vLLM: P answers with D's params in push mode too (P then
-    # writes into the blocks D registers), so D's leg follows P's answer, as in pull.
+def test_push_with_pdserves_connector_sends_both_legs_paired_by_transfer_id() -> None:
+    # pdserve's connector inside vLLM: D registers its blocks at admission, P writes once
+    # its prefill ends; both legs go out at once and name the same transfer id.
+    peer = PrefillPeer("prefill-0", "127.0.0.1", 5601)
     with (
         FakeVllm("P") as p,
         FakeVllm("D") as d,
-        vllm_router(p, d, "push", connector="pdserve") as r,
+        vllm_router(p, d, "push", (peer,), connector="pdserve") as r,
     ):
         resp = httpx.post(f"{r}/v1/completions", json={**PROMPT, "stream": True})
+        resp2 = httpx.post(f"{r}/v1/completions", json=PROMPT)
         metrics = httpx.get(f"{r}/metrics").text
-    assert resp.status_code == 200
+    assert resp.status_code == 200 and resp.text.endswith("data: [DONE]\n\n")
+    assert resp2.status_code == 200
     (p_body, _), (d_body, _) = p.completions[0], d.completions[0]
-    assert p_body["kv_transfer_params"] == {"do_remote_decode": True, "do_remote_prefill": False}
-    assert d_body["kv_transfer_params"] == p.returned[0]
-    assert 'pdserve_router_requests_total{mode="push",status="200"} 1.0' in metrics
+    tid = p_body["kv_transfer_params"]["transfer_id"]
+    assert p_body["kv_transfer_params"] == {
+        "do_remote_decode": True,
+        "do_remote_prefill": False,
+        "transfer_mode": "push",
+        "transfer_id": tid,
+    }
+    assert p_body["max_tokens"] == 1
+    assert d_body["kv_transfer_params"] == {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_engine_id": "prefill-0",
+        "remote_host": "127.0.0.1",
+        "remote_port": 5601,
+        "transfer_mode": "push",
+        "transfer_id": tid,
+    }
+    assert d_body["max_tokens"] == 4 and d_body["stream"] is True
+    # each request gets its own transfer id
+    assert p.completions[1][0]["kv_transfer_params"]["transfer_id"] != tid
+    assert d.completions[1][0]["kv_transfer_params"]["transfer_id"] != tid
+    assert 'pdserve_router_requests_total{mode="push",status="200"} 2.0' in metrics
 
 
 def test_decode_refusal_is_relayed_and_no_release_is_sent() -> None:
@@ -218,12 +240,20 @@ def test_push_to_vllm_needs_a_peer_per_prefill_instance() -> None:
     base = {"prefill_urls": ("http://p",), "decode_urls": ("http://d",), "engine": "vllm"}
     with pytest.raises(ValueError, match="peer"):
         RouterConfig(kv_transfer="push", connector="nixl", **base)  # type: ignore[arg-type]
-    assert not RouterConfig(kv_transfer="push", **base).concurrent_legs  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="peer"):  # pdserve's connector: D names P too
+        RouterConfig(kv_transfer="push", connector="pdserve", **base)  # type: ignore[arg-type]
+    assert not RouterConfig(kv_transfer="pull", **base).concurrent_legs  # type: ignore[arg-type]
     peer = PrefillPeer("p", "h", 1)
     with pytest.raises(ValueError, match="one prefill peer per prefill URL"):
         RouterConfig(kv_transfer="pull", prefill_peers=(peer, peer), **base)  # type: ignore[arg-type]
-    config = RouterConfig(kv_transfer="push", connector="nixl", prefill_peers=(peer,), **base)  # type: ignore[arg-type]
-    assert config.concurrent_legs
+    for connector in ("nixl", "pdserve"):
+        config = RouterConfig(
+            kv_transfer="push",
+            connector=connector,  # type: ignore[arg-type]
+            prefill_peers=(peer,),
+            **base,  # type: ignore[arg-type]
+        )
+        assert config.concurrent_legs
 
 
 @pytest.mark.parametrize("text", ["p@h", "@h:1", "p@:1", "p@h:x", "ph:1"])

@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 
+import msgspec
 import pytest
 import torch
 
@@ -180,3 +181,114 @@ def test_abort_while_waiting_returns_blocks_after_p_acks(pair) -> None:
     assert "d-req" in got.finished_recving
     p.send(SendSpec(request_id="p-req", block_ids=[2], num_tokens=4))
     wait_results(p, "finished_sending", "p-req", timeout_s=5)
+
+
+@pytest.mark.parametrize("p_first", [True, False])
+def test_push_without_p_incarnation_pairs_by_transfer_id(pair, p_first: bool) -> None:
+    # Both legs at once: D's spec names P by engine id and address only, and the transfer
+    # by the router's id, which P's request (a different id) carries.
+    p, d, p_kv, d_kv = pair
+    src, dst = [3, 4], [5, 6]
+    send = SendSpec(request_id="p-req", block_ids=src, num_tokens=8, transfer_id="t1")
+    spec = RecvSpec(
+        request_id="d-req",
+        mode="push",
+        remote_engine_id=p.me.engine_id,
+        remote_incarnation="",
+        remote_request_id="t1",
+        remote_address=p.side.address,
+        block_ids=dst,
+        remote_block_ids=[],
+        first_block=0,
+        num_tokens=8,
+    )
+    if p_first:
+        p.send(send)
+        time.sleep(0.2)
+    d.recv(spec)
+    if not p_first:
+        time.sleep(0.5)  # the registration waits on P for its request
+        p.send(send)
+    got = wait_results(d, "finished_recving", "d-req")
+    assert got.failed_recving == set()
+    assert "p-req" in wait_results(p, "finished_sending", "p-req").finished_sending
+    assert p.early_registrations == (0 if p_first else 1)
+    for name in p_kv:
+        for s, t in zip(src, dst, strict=True):
+            assert torch.equal(d_kv[name][t], p_kv[name][s])
+    # a second transfer reuses the incarnation the first handshake found
+    d.recv(msgspec.structs.replace(spec, request_id="d-req2", remote_request_id="t2"))
+    p.send(SendSpec(request_id="p-req2", block_ids=src, num_tokens=8, transfer_id="t2"))
+    assert wait_results(d, "finished_recving", "d-req2").failed_recving == set()
+
+
+def test_registration_for_a_prefill_that_never_ends_fails_the_receive() -> None:
+    # Legs at once, and P's leg failed (P never hands the agent the request): D's receive
+    # ends (failed) once P's registration grace is over, rather than waiting for ever.
+    p_kv, d_kv = caches(None), caches(0.0)
+    p = make_agent("P", p_kv, registration_grace_s=0.5)
+    d = make_agent("D", d_kv)
+    try:
+        spec = RecvSpec(
+            request_id="d-req",
+            mode="push",
+            remote_engine_id=p.me.engine_id,
+            remote_incarnation="",
+            remote_request_id="t-lost",
+            remote_address=p.side.address,
+            block_ids=[1],
+            remote_block_ids=[],
+            first_block=0,
+            num_tokens=4,
+        )
+        d.recv(spec)
+        got = wait_results(d, "finished_recving", "d-req", timeout_s=10)
+        assert got.failed_recving == {"d-req"}
+        assert p.early_registrations == 1
+    finally:
+        p.close()
+        d.close()
+
+
+def test_restarted_prefill_is_found_again_without_an_incarnation() -> None:
+    # Specs naming no incarnation reuse the one D's last handshake found at that address;
+    # once P restarted there, the first receive fails (P does not know D's connection)
+    # and the next one handshakes again with the new incarnation.
+    p_kv, d_kv = caches(None), caches(0.0)
+    port = free_port()
+    p = make_agent("P", p_kv, side_port=port)
+    d = make_agent("D", d_kv)
+    p2 = None
+    try:
+
+        def spec(rid: str) -> RecvSpec:
+            return RecvSpec(
+                request_id=rid,
+                mode="push",
+                remote_engine_id="P",
+                remote_incarnation="",
+                remote_request_id=f"t-{rid}",
+                remote_address=p.side.address,
+                block_ids=[1],
+                remote_block_ids=[],
+                first_block=0,
+                num_tokens=4,
+            )
+
+        def transfer(agent: TransferAgent, rid: str) -> Results:
+            d.recv(spec(rid))
+            agent.send(
+                SendSpec(request_id=rid, block_ids=[2], num_tokens=4, transfer_id=f"t-{rid}")
+            )
+            return wait_results(d, "finished_recving", rid)
+
+        assert transfer(p, "r1").failed_recving == set()
+        p.close()
+        p2 = make_agent("P", p_kv, side_port=port)  # same engine id and address, new incarnation
+        assert p2.me.incarnation != p.me.incarnation
+        assert transfer(p2, "r2").failed_recving == {"r2"}
+        assert transfer(p2, "r3").failed_recving == set()
+    finally:
+        for agent in (p2, d):
+            if agent is not None:
+                agent.close()

@@ -90,3 +90,40 @@ def test_unknown_extra_config_is_refused() -> None:
         VllmConnectorConfig.from_extra({"mdoe": "push"})
     with pytest.raises(ValueError, match="mode"):
         VllmConnectorConfig.from_extra({"mode": "teleport"})
+
+
+def test_legs_at_once_pair_by_transfer_id() -> None:
+    # The router sends both legs at once: D knows only P's address and the transfer id.
+    s = side()
+    d_params = {
+        "do_remote_prefill": True,
+        "transfer_mode": "push",
+        "transfer_id": "t1",
+        "remote_engine_id": "eng",
+        "remote_host": "127.0.0.1",
+        "remote_port": 7000,
+    }
+    assert s.num_matched("d1", d_params, 40, 16) == (24, True)
+    s.after_alloc("d1", d_params, [10, 11, 12], 40, 24)
+    (spec,), _, _ = s.take()
+    assert spec.remote_request_id == "t1" and spec.remote_incarnation == ""
+    assert spec.first_block == 1 and spec.block_ids == [11, 12]
+    p_leg = {"do_remote_decode": True, "transfer_mode": "push", "transfer_id": "t1"}
+    delay, params = s.request_finished("p1", p_leg, [5, 6, 7], 40, finished_ok=True)
+    assert delay and params is not None and params["remote_request_id"] == "t1"
+    _, (send,), _ = s.take()
+    assert send.request_id == "p1" and send.key == "t1"
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"transfer_mode": "push"},  # neither a request id nor a transfer id
+        {"transfer_mode": "pull", "transfer_id": "t1"},  # pull needs P's answer
+    ],
+)
+def test_decode_params_without_what_the_mode_needs_compute_locally(bad: dict) -> None:
+    s = side()
+    params = {"do_remote_prefill": True, "remote_engine_id": "e", "remote_host": "h"}
+    params |= {"remote_port": 1, **bad}
+    assert s.num_matched("d1", params, 40, 0) == (0, False)

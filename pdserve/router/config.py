@@ -83,18 +83,16 @@ class RouterConfig:
         if self.prefill_peers and len(self.prefill_peers) != len(self.prefill_urls):
             raise ValueError("give one prefill peer per prefill URL, in the same order")
         if self.concurrent_legs and self.engine == "vllm" and not self.prefill_peers:
-            raise ValueError("NixlPushConnector instances need every prefill instance's peer")
+            raise ValueError("push to vLLM instances needs every prefill instance's peer")
         if self.health_failures_to_eject < 1:
             raise ValueError("health_failures_to_eject must be at least 1")
 
     @property
     def concurrent_legs(self) -> bool:
-        """Whether a request's P and D legs go out at once (push), D's naming P up front.
-        Otherwise D's leg follows P's answer and carries its params: pull, and push with
-        pdserve's connector inside vLLM, whose P answers with D's params in both modes
-        (P writes into D's blocks once D registers them)."""
-        vllm_sequential = self.engine == "vllm" and self.connector == "pdserve"
-        return self.kv_transfer == "push" and not vllm_sequential
+        """Whether a request's P and D legs go out at once, D's naming P up front (push, with
+        every engine and connector). Otherwise (pull) D's leg follows P's answer and carries
+        its params."""
+        return self.kv_transfer == "push"
 
 
 def normalize_url(url: str) -> str:

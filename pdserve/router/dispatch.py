@@ -57,9 +57,9 @@ leg's params come from P: if they cannot even be parsed, P's answer is the 502.
 vLLM instances (`RouterConfig.engine == "vllm"`): the legs carry vLLM's params instead,
 and P's answer goes to D untouched (`pdserve.router.vllm_legs`); no signatures, no releases
 (vLLM has no /kv/release), and P's prefill-done time is when P's answer reached the router.
-With pdserve's connector inside vLLM, push runs its legs as pull does (P's answer carries
-D's params in both modes); with NixlPushConnector a push request's two legs go out at once
-and share a fresh `X-Request-Id`, by which vLLM pairs them (`RouterConfig.concurrent_legs`).
+A push request's two legs go out at once (`RouterConfig.concurrent_legs`) under a fresh
+`X-Request-Id`: NixlPushConnector pairs them by that id, pdserve's connector by the
+`transfer_id` both legs' params carry.
 
 Both legs carry the client's `X-Request-Id` (or a new one) unchanged: P and D are separate
 engines and pair the transfer by `transfer_id`, so the shared id only joins their logs.
@@ -359,7 +359,7 @@ class Dispatcher:
             raise
         self._observe_handoff(result, start.first_token_unix)
         hop(tid, "r.first_token", start.first_token_unix, rid=call.request_id)
-        mode = self._config.kv_transfer  # push too, with pdserve's connector inside vLLM
+        mode = self._config.kv_transfer
         return self._respond(call, mode, d, d_leg, start, None, result.prefill_done_time)
 
     # -- push -----------------------------------------------------------------------------
@@ -375,8 +375,11 @@ class Dispatcher:
         tid = _new_tid()
         if self._vllm:  # one X-Request-Id for both legs: vLLM pairs them by it
             assert p.peer is not None  # need_push_info
-            p_params = vllm_legs.prefill_params()
-            d_params = vllm_legs.push_decode_params(p.peer, tid, call.path)
+            if self._config.connector == "pdserve":  # paired by the params' transfer id
+                p_params, d_params = vllm_legs.pdserve_push_params(p.peer, tid)
+            else:
+                p_params = vllm_legs.prefill_params()
+                d_params = vllm_legs.push_decode_params(p.peer, tid, call.path)
             call = replace(call, request_id=tid)
         else:
             p_params, d_params = push_params(p, tid)

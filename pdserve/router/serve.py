@@ -71,8 +71,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--connector",
         choices=CONNECTORS,
         default="pdserve",
-        help="--engine vllm: the instances' KV connector: pdserve's (D's leg follows P's answer"
-        " in both modes) or vLLM's NIXL ones (NixlPushConnector: both legs at once)"
+        help="--engine vllm: the instances' KV connector: pdserve's or vLLM's NIXL ones"
+        " (push sends both legs at once with either; pull sends D's leg after P's answer)"
         " (default: %(default)s)",
     )
     parser.add_argument(

@@ -6,7 +6,11 @@ them as opaque dicts and never rewrites what P returns.
 
 - Pull: P gets `{do_remote_decode: true, do_remote_prefill: false}` with `max_tokens=1`;
   the `kv_transfer_params` of P's answer go to D untouched.
-- Push with pdserve's connector: as pull (its P answers with D's params in both modes).
+- Push with pdserve's connector: both legs at once. P gets `{do_remote_decode: true,
+  transfer_mode: push, transfer_id}` and D `{do_remote_prefill: true, transfer_mode: push,
+  transfer_id, remote_engine_id, remote_host, remote_port}` (P's connector, `PrefillPeer`),
+  the same router-chosen transfer id on both: D registers its blocks at admission and P
+  writes once its prefill ends (pdserve.vllm.params).
 - Push with NixlPushConnector: both legs at once, under one fresh `X-Request-Id` (vLLM's
   push pairs D's registration with P's request by the id's base). D's params name P's connector (its
   engine id and side channel: `PrefillPeer`, from the router's configuration, since vLLM has
@@ -54,6 +58,21 @@ class PrefillPeer:
 def prefill_params() -> Params:
     """P's leg: compute the prompt and keep its blocks for a decode instance."""
     return {"do_remote_decode": True, "do_remote_prefill": False}
+
+
+def pdserve_push_params(peer: PrefillPeer, transfer_id: str) -> tuple[Params, Params]:
+    """P's and D's legs of a push through pdserve's connector, paired by `transfer_id`."""
+    common = {"transfer_mode": "push", "transfer_id": transfer_id}
+    p_params = {"do_remote_decode": True, "do_remote_prefill": False, **common}
+    d_params = {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_engine_id": peer.engine_id,
+        "remote_host": peer.host,
+        "remote_port": peer.port,
+        **common,
+    }
+    return p_params, d_params
 
 
 def push_decode_params(peer: PrefillPeer, request_id: str, path: str) -> Params:

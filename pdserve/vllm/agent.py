@@ -31,6 +31,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+import msgspec
+
 from pdserve.config import TransportConfig
 from pdserve.transfer import messages as m
 from pdserve.transfer.side_channel import SideChannel, new_nonce
@@ -101,8 +103,8 @@ class _PeerState:
 
 @dataclass(frozen=True)
 class _Dialed:
-    key: PeerKey
-    peer: PeerId | None
+    key: PeerKey  # as the specs named P (incarnation "" when they did not know it)
+    peer: PeerId | None  # the incarnation that answered, once the handshake succeeded
     error: str | None
 
 
@@ -165,6 +167,8 @@ class TransferAgent:
         # D state
         self._recvs: dict[str, _Recv] = {}
         self._by_transfer: dict[tuple[str, str], str] = {}  # (P engine, P request) -> D request
+        # the incarnation last found at a P's side channel, for specs that do not name one
+        self._incarnations: dict[tuple[str, Address], str] = {}
         self._peers: dict[PeerKey, PeerId] = {}
         self._dialing: set[PeerKey] = set()
         self._health: dict[PeerKey, _PeerState] = {}
@@ -176,6 +180,9 @@ class TransferAgent:
         self._claims: dict[str, tuple[m.PullClaim, float]] = {}  # claims ahead of the request
         # requests D gave up on before vLLM handed them to us: freed as soon as they come
         self._gone: dict[str, float] = {}
+        # registrations that came before vLLM handed us their finished request (push with
+        # both legs at once: D registers while P still computes); read by tests and logs
+        self.early_registrations = 0
         self._threads = [
             threading.Thread(target=self._loop, name="pdserve-vllm-loop", daemon=True),
             threading.Thread(target=self._notif_loop, name="pdserve-vllm-notif", daemon=True),
@@ -308,11 +315,12 @@ class TransferAgent:
                 self._on_pong(event)
 
     # -- results ------------------------------------------------------------------------------
-    def _sent(self, request_id: str) -> None:
-        """P: give the blocks back to vLLM."""
-        self._sends.pop(request_id, None)
-        with self._lock:
-            self._results.finished_sending.add(request_id)
+    def _sent(self, key: str) -> None:
+        """P: give the blocks of transfer `key` back to vLLM."""
+        send = self._sends.pop(key, None)
+        if send is not None:
+            with self._lock:
+                self._results.finished_sending.add(send.spec.request_id)
 
     def _received(self, request_id: str, ok: bool, why: str = "") -> None:
         """D: give the blocks back to vLLM, with their KV (ok) or without."""
@@ -332,11 +340,15 @@ class TransferAgent:
 
     def _on_recv(self, spec: RecvSpec) -> None:
         now = time.monotonic()
+        if not spec.remote_incarnation:  # legs sent at once: the last handshake's, if any
+            known = self._incarnations.get((spec.remote_engine_id, spec.remote_address), "")
+            spec = msgspec.structs.replace(spec, remote_incarnation=known)
         self._recvs[spec.request_id] = _Recv(spec, now + self.cfg.recv_timeout_s)
         self._by_transfer[(spec.remote_engine_id, spec.remote_request_id)] = spec.request_id
         key = self._key(spec)
-        health = self._health.setdefault(key, _PeerState(spec.remote_address, now))
-        health.address = spec.remote_address
+        if spec.remote_incarnation:  # pongs name an incarnation: health needs to know it
+            health = self._health.setdefault(key, _PeerState(spec.remote_address, now))
+            health.address = spec.remote_address
         if key in self._peers:
             self._start_recv(self._recvs[spec.request_id], self._peers[key])
         elif key not in self._dialing:
@@ -361,7 +373,7 @@ class TransferAgent:
             return _Dialed(key, None, f"no handshake reply from {address}: {exc!r}")
         if not isinstance(reply, m.HelloReply) or reply.error:
             return _Dialed(key, None, f"handshake refused: {getattr(reply, 'error', reply)}")
-        if (reply.engine_id, reply.incarnation) != key:
+        if reply.engine_id != key[0] or key[1] not in ("", reply.incarnation):
             return _Dialed(key, None, f"{address} is now {reply.engine_id}@{reply.incarnation}")
         try:
             return _Dialed(key, self.transport.add_peer(reply.transport_metadata), None)
@@ -372,10 +384,18 @@ class TransferAgent:
         self._dialing.discard(ev.key)
         waiting = [r for r in self._recvs.values() if self._key(r.spec) == ev.key]
         if ev.peer is None:
+            self._forget(ev.key)
             for r in waiting:
                 self._received(r.spec.request_id, False, ev.error or "handshake failed")
             return
-        self._peers[ev.key] = ev.peer
+        key = (ev.peer.engine_id, ev.peer.incarnation)
+        self._peers[key] = ev.peer
+        now = time.monotonic()
+        for r in waiting:  # specs that named no incarnation now name the one that answered
+            address = r.spec.remote_address
+            self._incarnations[(key[0], address)] = key[1]
+            r.spec = msgspec.structs.replace(r.spec, remote_incarnation=key[1])
+            self._health.setdefault(key, _PeerState(address, now)).address = address
         for r in waiting:
             if r.aborted:
                 self._received(r.spec.request_id, False, "aborted")
@@ -495,8 +515,15 @@ class TransferAgent:
 
     def _on_push_failed(self, msg: m.PushFailed) -> None:
         rid = next((r for (_, t), r in self._by_transfer.items() if t == msg.transfer_id), None)
-        if rid is not None:
-            self._received(rid, False, f"P will not write: {msg.cause.value}: {msg.reason}")
+        if rid is None:
+            return
+        why = f"P will not write: {msg.cause.value}: {msg.reason}"
+        if msg.cause is m.PushFailCause.UNKNOWN_PEER:
+            # P does not know our connection (it restarted, and specs naming no incarnation
+            # reached it through the old one): drop it, the next receive handshakes again.
+            self._fence(self._key(self._recvs[rid].spec), why)
+        if rid in self._recvs:
+            self._received(rid, False, why)
 
     def _on_abort_ack(self, msg: m.PushAbortAck) -> None:
         rid = next((r for (_, t), r in self._by_transfer.items() if t == msg.transfer_id), None)
@@ -514,14 +541,14 @@ class TransferAgent:
 
     # -- P side -------------------------------------------------------------------------------
     def _on_send(self, spec: SendSpec) -> None:
-        self._sends[spec.request_id] = _Send(spec, time.monotonic() + self.cfg.lease_s)
-        if self._gone.pop(spec.request_id, None) is not None:
-            self._sent(spec.request_id)
+        self._sends[spec.key] = _Send(spec, time.monotonic() + self.cfg.lease_s)
+        if self._gone.pop(spec.key, None) is not None:
+            self._sent(spec.key)
             return
-        reg = self._regs.pop(spec.request_id, None)
+        reg = self._regs.pop(spec.key, None)
         if reg is not None:
             self._start_write(reg.msg)
-        claim = self._claims.get(spec.request_id)
+        claim = self._claims.get(spec.key)
         if claim is not None:
             self._on_claim(claim[0])
 
@@ -547,6 +574,11 @@ class TransferAgent:
         else:  # P's scheduler has not handed us the request yet (or never will)
             deadline = time.monotonic() + self.cfg.registration_grace_s
             self._regs[msg.transfer_id] = _Reg(msg, deadline)
+            self.early_registrations += 1
+            log.info(
+                "pdserve vLLM connector: registration for %s arrived before its prefill ended",
+                msg.transfer_id,
+            )
 
     def _fail_push(self, msg: m.PushRegistration, cause: m.PushFailCause, why: str) -> None:
         fail = m.PushFailed(transfer_id=msg.transfer_id, reason=why, cause=cause)
@@ -673,9 +705,16 @@ class TransferAgent:
                 h.next_ping = now + self.cfg.heartbeat_s
                 self.side.send(h.address, m.Ping(reply_to=self.side.address))
 
+    def _forget(self, key: PeerKey) -> None:
+        """Specs that name no incarnation no longer default to `key`'s."""
+        for k, incarnation in list(self._incarnations.items()):
+            if k[0] == key[0] and incarnation == key[1]:
+                del self._incarnations[k]
+
     def _fence(self, key: PeerKey, why: str) -> None:
         """Declare P `key` gone: drop its connection (nothing more it writes lands) and fail
         every receive from it that is not a READ in flight (those end in ERROR by themselves)."""
+        self._forget(key)
         peer = self._peers.pop(key, None)
         self._health.pop(key, None)
         if peer is not None:

@@ -1,14 +1,16 @@
 """Scheduler-side logic of the connector (vLLM's EngineCore process; no network, no threads).
 
-D: a request whose params say `do_remote_prefill` asks vLLM to reserve blocks for the
-prompt tokens its own prefix cache lacks and to wait (load_async=True); once vLLM
+D: a request whose params say `do_remote_prefill` (with P's answer, or, when the router
+sends both legs at once, only P's address and the transfer id) asks vLLM to reserve blocks
+for the prompt tokens its own prefix cache lacks and to wait (load_async=True); once vLLM
 allocated them (`after_alloc`) the next step's metadata hands a `RecvSpec` to the worker.
 vLLM keeps those blocks, and the request waiting, until the worker reports the request in
 finished_recving.
 
 P: a request whose params say `do_remote_decode` and that finished normally keeps its
-blocks (delay_free=True) and returns the params D needs; the next step's metadata hands a
-`SendSpec` to the worker, which owns the blocks until it reports finished_sending.
+blocks (delay_free=True) and returns the params D needs (unused when D's leg went out with
+P's, naming the router's `transfer_id`, which the SendSpec carries); the next step's
+metadata hands a `SendSpec` to the worker, which owns the blocks until finished_sending.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from pdserve.vllm.params import (
     RemoteParams,
     remote_prefill,
     requested_mode,
+    transfer_id,
     wants_remote_decode,
 )
 from pdserve.vllm.specs import RecvSpec, ReleaseSpec, SendSpec, WorkerCard
@@ -50,7 +53,9 @@ class SchedulerSide:
         except ValueError as exc:  # computing the prompt here is always correct
             log.warning("request %s: %s; prefilling locally", request_id, exc)
             return 0, False
-        if remote is None or remote.remote_num_tokens < num_prompt:
+        if remote is None:
+            return 0, False
+        if remote.remote_num_tokens is not None and remote.remote_num_tokens < num_prompt:
             return 0, False
         count = num_prompt - num_computed
         return (count, True) if count > 0 else (0, False)
@@ -81,7 +86,7 @@ class SchedulerSide:
             mode=remote.transfer_mode,
             remote_engine_id=remote.remote_engine_id,
             remote_incarnation=remote.remote_incarnation,
-            remote_request_id=remote.remote_request_id,
+            remote_request_id=remote.key,
             remote_address=(remote.remote_host, remote.remote_port),
             block_ids=list(block_ids[first:last]),
             remote_block_ids=list(remote.remote_block_ids),
@@ -108,13 +113,17 @@ class SchedulerSide:
         if self.worker is None:
             log.error("request %s: the worker never reported its identity", request_id)
             return False, None
-        self._sends.append(
-            SendSpec(request_id=request_id, block_ids=list(block_ids), num_tokens=num_computed)
+        send = SendSpec(
+            request_id=request_id,
+            block_ids=list(block_ids),
+            num_tokens=num_computed,
+            transfer_id=transfer_id(params) or "",
         )
+        self._sends.append(send)
         remote = RemoteParams(
             remote_engine_id=self.worker.engine_id,
             remote_incarnation=self.worker.incarnation,
-            remote_request_id=request_id,
+            remote_request_id=send.key,
             remote_host=self.cfg.advertised,
             remote_port=self.cfg.side_port,
             remote_block_ids=list(block_ids),
@@ -131,9 +140,7 @@ class SchedulerSide:
         if remote is not None:
             params["do_remote_prefill"] = False  # type: ignore[index]
             address = (remote.remote_host, remote.remote_port)
-            release = ReleaseSpec(
-                remote_request_id=remote.remote_request_id, remote_address=address
-            )
+            release = ReleaseSpec(remote_request_id=remote.key, remote_address=address)
             self._releases.append(release)
 
     def take(self) -> tuple[list[RecvSpec], list[SendSpec], list[ReleaseSpec]]:

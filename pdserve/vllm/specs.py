@@ -17,8 +17,8 @@ class RecvSpec(msgspec.Struct, frozen=True, kw_only=True):
     request_id: str
     mode: Mode
     remote_engine_id: str
-    remote_incarnation: str
-    remote_request_id: str
+    remote_incarnation: str  # "": not known yet (push, legs at once): the handshake's
+    remote_request_id: str  # the transfer's key on P
     remote_address: tuple[str, int]
     block_ids: list[int]
     remote_block_ids: list[int]
@@ -41,6 +41,12 @@ class SendSpec(msgspec.Struct, frozen=True, kw_only=True):
     request_id: str
     block_ids: list[int]
     num_tokens: int
+    transfer_id: str = ""  # the router's id, which D's registration names; "": request_id
+
+    @property
+    def key(self) -> str:
+        """The id D's messages name this transfer by."""
+        return self.transfer_id or self.request_id
 
 
 class WorkerCard(msgspec.Struct, frozen=True, kw_only=True):

@@ -3,8 +3,9 @@
 Run with the .venv-vllm interpreter (`.venv-vllm/bin/python -m pytest -o addopts=
 tests/vllm/test_engine_vllm.py`); under an interpreter without vLLM, and without the
 checkout's .venv-vllm, every test is skipped with the reason. vLLM's CPU servers take
-minutes to start here, so there are two: a monolithic instance (the reference), then a 1P1D
-cluster behind pdserve's router with vLLM's NixlConnector (pull), one at a time.
+minutes to start here, so they run one at a time: a monolithic instance (the reference),
+then 1P1D clusters behind pdserve's router: vLLM's NixlConnector (pull), and pdserve's
+connector in push mode (both legs at once).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,6 +43,10 @@ STARTUP_TIMEOUT_S = 900.0
 MAX_MODEL_LEN = "2048"
 # Prompts of different lengths (token ids; the byte tokenizer has 259), greedy.
 PROMPTS = [[(7 * i + 3) % 250 + 3 for i in range(n)] for n in (24, 150, 700)]
+# Push through the router: varied lengths, sent at once, so that P queues some prefills
+# while D already registered its blocks for them.
+PUSH_LENGTHS = (1, 7, 60, 200, 450, 900, 1400, 2000)
+PUSH_PROMPTS = [[(11 * i + 5) % 250 + 3 for i in range(n)] for n in PUSH_LENGTHS]
 MAX_TOKENS = 12
 
 
@@ -115,6 +121,7 @@ class MonolithicRun:
 
     completion: dict[str, Any]  # its answer to a plain text completion
     reference: list[list[int]]  # its greedy tokens for PROMPTS
+    push_reference: list[list[int]]  # and for PUSH_PROMPTS
 
 
 @pytest.fixture(scope="module")
@@ -135,7 +142,9 @@ def monolithic(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Mo
         body = {"model": str(checkpoint), "prompt": "hello", "max_tokens": 5, "temperature": 0}
         r = httpx.post(f"{url}/v1/completions", json=body, timeout=600)
         assert r.status_code == 200, r.text
-        return MonolithicRun(r.json(), [_greedy(url, str(checkpoint), p) for p in PROMPTS])
+        reference = [_greedy(url, str(checkpoint), p) for p in PROMPTS]
+        push_reference = [_greedy(url, str(checkpoint), p) for p in PUSH_PROMPTS]
+        return MonolithicRun(r.json(), reference, push_reference)
     finally:
         _stop(proc)
 
@@ -169,3 +178,35 @@ def test_up_engine_vllm_nixl_pull_equals_monolithic(
     assert got == monolithic.reference
     assert f'pdserve_router_requests_total{{mode="pull",status="200"}} {len(PROMPTS)}.0' in metrics
     assert "NIXL compatibility check passed" in d_log  # D really read P's KV over NIXL
+
+
+def test_up_engine_vllm_pdserve_push_legs_at_once_equals_monolithic(
+    checkpoint: Path, monolithic: MonolithicRun, tmp_path: Path
+) -> None:
+    # pdserve's connector, push: the router sends P's and D's legs at once; D registers its
+    # blocks at admission and P writes into them once its prefill ends.
+    config = ClusterConfig(
+        kv_transfer="push",
+        engine="vllm",
+        connector="pdserve",
+        vllm_python=VLLM_PYTHON,
+        model=str(checkpoint),
+        local_prefill_below=0,  # every prompt goes through P and D
+        instance_args=("--max-model-len", MAX_MODEL_LEN),
+        log_dir=tmp_path / "logs",
+        startup_timeout_s=STARTUP_TIMEOUT_S,
+        stop_timeout_s=60,
+    )
+    with Cluster(config) as cluster:
+        url, model = cluster.router_url, str(checkpoint)
+        with ThreadPoolExecutor(len(PUSH_PROMPTS)) as pool:  # all at once: P queues them
+            got = list(pool.map(lambda p: _greedy(url, model, p), PUSH_PROMPTS))
+        metrics = httpx.get(f"{url}/metrics").text
+        p_log = cluster.instance("prefill-0").log_path.read_text()
+        d_log = cluster.instance("decode-0").log_path.read_text()
+    assert got == monolithic.push_reference
+    ok = f'pdserve_router_requests_total{{mode="push",status="200"}} {len(PUSH_PROMPTS)}.0'
+    assert ok in metrics
+    # D's registration reached P while P still computed the prompt (the point of push)
+    assert "arrived before its prefill ended" in p_log
+    assert "did not arrive" not in d_log  # no receive failed (D would have recomputed)
