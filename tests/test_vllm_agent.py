@@ -292,3 +292,24 @@ def test_restarted_prefill_is_found_again_without_an_incarnation() -> None:
         for agent in (p2, d):
             if agent is not None:
                 agent.close()
+
+
+def test_registration_that_overtakes_d_s_transport_connection_waits_for_it(pair) -> None:
+    # The side channel and the KV transport are two sockets dialed at one handshake: D's
+    # registration can reach P before D's transport connection does (seen in CI). P waits
+    # for the connection (up to handshake_timeout_s) instead of answering unknown_peer.
+    p, d, p_kv, d_kv = pair
+    real_peers = p.transport.peers
+    hidden = {"on": True}
+    p.transport.peers = lambda: set() if hidden["on"] else real_peers()  # type: ignore[method-assign]
+    src, dst = [3, 4], [5, 6]
+    p.send(SendSpec(request_id="p-req", block_ids=src, num_tokens=8))
+    d.recv(recv_spec(p, "push", dst, src))
+    time.sleep(0.5)  # the registration has arrived and waits: nothing failed meanwhile
+    assert d.take_results().failed_recving == set()
+    hidden["on"] = False
+    got = wait_results(d, "finished_recving", "d-req")
+    assert got.failed_recving == set()
+    for name in p_kv:
+        for s, t in zip(src, dst, strict=True):
+            assert torch.equal(d_kv[name][t], p_kv[name][s])

@@ -52,6 +52,9 @@ log = logging.getLogger(__name__)
 Address = tuple[str, int]
 PeerKey = tuple[str, str]  # (engine id, incarnation) as params name a P
 _MAX_WAIT_S = 1.0
+# P: how often a registration that overtook its decode instance's transport connection
+# checks again whether that connection has arrived (only while one such waits).
+_PEER_RECHECK_S = 0.02
 
 
 @dataclass
@@ -176,6 +179,8 @@ class TransferAgent:
         # P state
         self._sends: dict[str, _Send] = {}
         self._regs: dict[str, _Reg] = {}
+        # registrations whose D is not a transport peer yet -> when to give up on it
+        self._unpeered: dict[str, tuple[m.PushRegistration, float]] = {}
         self._abort_acks: dict[str, Address] = {}  # P request -> D to ack once the write ends
         self._claims: dict[str, tuple[m.PullClaim, float]] = {}  # claims ahead of the request
         # requests D gave up on before vLLM handed them to us: freed as soon as they come
@@ -266,6 +271,8 @@ class TransferAgent:
         deadlines += [s.deadline for s in self._sends.values() if not s.writing]
         deadlines += [r.deadline for r in self._regs.values()]
         deadlines += [deadline for _, deadline in self._claims.values()]
+        if self._unpeered:
+            deadlines.append(time.monotonic() + _PEER_RECHECK_S)
         if self._health:
             deadlines.append(time.monotonic() + self.cfg.heartbeat_s)
         if not deadlines:
@@ -589,8 +596,9 @@ class TransferAgent:
         peer = PeerId(msg.engine_id, msg.incarnation)
         src = send.spec.block_ids[msg.skip_blocks : msg.skip_blocks + len(msg.block_ids)]
         if peer not in self.transport.peers():
-            self._fail_push(msg, m.PushFailCause.UNKNOWN_PEER, "unknown decode incarnation")
+            self._await_peer(msg)
             return
+        self._unpeered.pop(msg.transfer_id, None)
         if len(src) != len(msg.block_ids):
             self._fail_push(msg, m.PushFailCause.SIZE_MISMATCH, "D registered more blocks")
             self._sent(msg.transfer_id)
@@ -607,6 +615,26 @@ class TransferAgent:
         send.writing = True
         self._regs[msg.transfer_id] = _Reg(msg, float("inf"))  # for the outcome's reply_to
         self._handles.put((handle, msg.transfer_id))
+
+    def _await_peer(self, msg: m.PushRegistration) -> None:
+        """P: D's registration came over the side channel before D's transport connection
+        (another socket, dialed at the same handshake) reached us: wait for it up to
+        `handshake_timeout_s`, then answer unknown_peer (D restarted, or never dialed)."""
+        now = time.monotonic()
+        _, deadline = self._unpeered.get(msg.transfer_id, (msg, now + self.cfg.handshake_timeout_s))
+        if now < deadline:
+            self._unpeered[msg.transfer_id] = (msg, deadline)
+            return
+        del self._unpeered[msg.transfer_id]
+        self._fail_push(msg, m.PushFailCause.UNKNOWN_PEER, "unknown decode incarnation")
+
+    def _retry_unpeered(self) -> None:
+        for tid, (msg, _) in list(self._unpeered.items()):
+            send = self._sends.get(tid)
+            if send is None or send.writing:  # freed (lease, abort) or already written
+                del self._unpeered[tid]
+            else:
+                self._start_write(msg)
 
     def _on_ended(self, ev: _Ended) -> None:
         if ev.request_id in self._recvs:  # D: a READ (pull)
@@ -630,6 +658,7 @@ class TransferAgent:
             self._abort_acks[msg.transfer_id] = msg.reply_to  # ack once the write ended
             return
         self._regs.pop(msg.transfer_id, None)
+        self._unpeered.pop(msg.transfer_id, None)
         if send is not None:
             self._sent(msg.transfer_id)
         else:
@@ -675,6 +704,7 @@ class TransferAgent:
         for claim, deadline in list(self._claims.values()):
             if deadline <= now:
                 self._on_claim(claim)  # answered as unknown: P never had the request
+        self._retry_unpeered()
         for tid, reg in list(self._regs.items()):
             if reg.deadline <= now:
                 del self._regs[tid]
