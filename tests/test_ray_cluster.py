@@ -171,8 +171,9 @@ def test_planner_scales_up_under_load_and_down_when_idle(reference: dict[str, st
         max_total=3,
         cooldown=0,
     )
-    # 512 blocks: the burst must queue on P, not hit P's cap on unclaimed holds (a 503).
-    slow = ("--fault-step-delay-ms", "100", "--num-kv-blocks", "512")
+    # 512 blocks: the burst must queue on P, not hit P's cap on unclaimed holds (a 503);
+    # one sequence at a time, so it stays queued there (and on D: both hot, P can grow).
+    slow = ("--fault-step-delay-ms", "100", "--num-kv-blocks", "512", "--max-num-seqs", "1")
     with _cluster("push", 1, 1, *slow) as cluster:
         planner = RayPlannerLoop(cluster, cfg)
         prompts = [p * 4 for p in PROMPTS] * 4
