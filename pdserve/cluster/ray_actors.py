@@ -60,9 +60,17 @@ class InstanceActorSpec:
 
 
 def node_ip() -> str:
-    """The address of the Ray node this process runs on (127.0.0.1 on a loopback cluster)."""
+    """The address of the Ray node this process runs on (127.0.0.1 on a loopback cluster).
+
+    The node's own record, not `ray.util.get_node_ip_address()`: that one picks the address
+    of the host's default route, which a loopback cluster on a host with a network does not
+    listen on."""
     import ray
 
+    node_id = ray.get_runtime_context().get_node_id()
+    for node in ray.nodes():
+        if node.get("NodeID") == node_id:
+            return str(node["NodeManagerAddress"])
     return ray.util.get_node_ip_address()
 
 
