@@ -1,7 +1,9 @@
 """The sampling API through the router, monolithic and P/D (pull and push), with real
 processes (`pdserve up`): logprobs (P samples the first token; its logprobs travel to D),
-penalties, `logit_bias`, `min_tokens`, echo with prompt logprobs and seeded `n` > 1 answer
-as one monolithic instance does (same engine, same weights: logprobs within 1e-4)."""
+penalties, `logit_bias`, `min_tokens`, echo with prompt logprobs and `n` > 1 (greedy and
+seeded, streamed and not: one P/D request per choice) answer as one monolithic instance
+does (same engine, same weights: logprobs within 1e-4). A choice refused by its decode
+instance fails the request cleanly and leaves no KV block in use."""
 
 from __future__ import annotations
 
@@ -55,6 +57,36 @@ REQUESTS: list[tuple[str, dict[str, Any]]] = [
         "/v1/completions",
         {"prompt": "Once upon", "max_tokens": 8, "temperature": 1.0, "seed": 7, "n": 3},
     ),
+    (
+        "/v1/completions",
+        {
+            "prompt": PROMPT,
+            "max_tokens": 6,
+            "temperature": 0,
+            "ignore_eos": True,
+            "logprobs": 1,
+            "n": 2,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+    ),
+    (
+        "/v1/chat/completions",
+        {"messages": CHAT, "max_tokens": 6, "temperature": 0.9, "seed": 11, "n": 3},
+    ),
+    (
+        "/v1/chat/completions",
+        {
+            "messages": CHAT,
+            "max_tokens": 6,
+            "temperature": 0.9,
+            "seed": 11,
+            "n": 2,
+            "stream": True,
+            "logprobs": True,
+            "top_logprobs": 1,
+        },
+    ),
 ]
 
 
@@ -74,18 +106,38 @@ EOS_IDS = (256, 258)  # the built-in tokenizer's <|endoftext|> and <|im_end|>
 
 
 def _collect(r: httpx.Response) -> dict[str, Any]:
-    """A streamed completion's text and logprobs, joined."""
+    """A streamed answer's text and logprobs per choice (by `index`), joined, and its usage;
+    one [DONE], at the end."""
     import json
 
-    text, tokens, values = "", [], []
+    assert r.text.count("[DONE]") == 1 and r.text.endswith("data: [DONE]\n\n"), r.text
+    texts: dict[int, str] = {}
+    logprobs: dict[int, list] = {}
+    usage = None
     for block in r.text.split("\n\n"):
-        if block.startswith("data: {"):
-            choice = json.loads(block[6:])["choices"][0]
-            text += choice["text"]
-            lp = choice["logprobs"] or {"tokens": [], "token_logprobs": []}
-            tokens += lp["tokens"]
-            values += lp["token_logprobs"]
-    return {"choices": [{"text": text, "logprobs": {"tokens": tokens, "token_logprobs": values}}]}
+        if not block.startswith("data: {"):
+            continue
+        event = json.loads(block[6:])
+        assert "error" not in event, event
+        usage = event.get("usage") or usage
+        for choice in event["choices"]:
+            i = choice["index"]
+            delta = choice.get("delta", {})
+            texts[i] = texts.get(i, "") + (choice.get("text") or delta.get("content") or "")
+            lp = choice.get("logprobs") or {}
+            logprobs.setdefault(i, []).extend(
+                lp.get("content")
+                or list(zip(lp.get("tokens", []), lp.get("token_logprobs", []), strict=True))
+            )
+    choices = []
+    for i in sorted(texts):
+        entries = logprobs[i]
+        if entries and isinstance(entries[0], dict):  # chat: content entries
+            lp = {"content": entries}
+        else:
+            lp = {"tokens": [t for t, _ in entries], "token_logprobs": [v for _, v in entries]}
+        choices.append({"index": i, "text": texts[i], "logprobs": lp})
+    return {"choices": choices, "usage": usage}
 
 
 def values_of(answer: dict[str, Any]) -> list[tuple[str, list]]:
@@ -108,6 +160,8 @@ def values_of(answer: dict[str, Any]) -> list[tuple[str, list]]:
 def assert_same(got: dict[str, Any], want: dict[str, Any], what: str) -> None:
     g, w = values_of(got), values_of(want)
     assert [t for t, _ in g] == [t for t, _ in w], what
+    assert [c.get("index") for c in got["choices"]] == [c.get("index") for c in want["choices"]]
+    assert got.get("usage") == want.get("usage"), what
     for (_, gv), (_, wv) in zip(g, w, strict=True):
         assert len(gv) == len(wv), what
         for a, b in zip(gv, wv, strict=True):
@@ -128,6 +182,8 @@ def test_sampling_api_through_pd_equals_monolithic(tmp_path: Path, monolithic, m
     with Cluster(cfg) as cluster:
         got = answers(cluster.router_url)
         wait_blocks_free(cluster)
+        a_choice_is_refused(cluster.router_url)
+        wait_blocks_free(cluster)
     for i, ((path, body), g, w) in enumerate(zip(REQUESTS, got, monolithic, strict=True)):
         assert_same(g, w, f"request {i} {path} {sorted(body)} in {mode}")
     first = values_of(monolithic[0])[0][1]
@@ -139,3 +195,31 @@ def test_sampling_api_through_pd_equals_monolithic(tmp_path: Path, monolithic, m
     echo = monolithic[4]["choices"][0]["logprobs"]["token_logprobs"]
     assert len(echo) == len(PROMPT) and echo[0] is None
     assert len({c["text"] for c in monolithic[5]["choices"]}) > 1
+    assert len({c["text"] for c in monolithic[7]["choices"]}) > 1
+    streamed = monolithic[6]
+    assert len(streamed["choices"]) == 2 and streamed["usage"]["completion_tokens"] == 12
+
+
+def a_choice_is_refused(url: str) -> None:
+    """Choice 1 of a request with `X-Request-Id: dup` runs as `dup-1` on its decode
+    instance, which refuses it while another request with that id runs there: a 409, or
+    in a stream (already started) an error event, as one instance answers; choice 0 is
+    aborted."""
+    long = {"prompt": PROMPT[:40], "max_tokens": 2000, "ignore_eos": True, "stream": True}
+    headers = {"X-Request-Id": "dup-1"}
+    with (
+        httpx.Client(timeout=300, trust_env=False) as client,
+        client.stream("POST", f"{url}/v1/completions", json=long, headers=headers) as running,
+    ):
+        assert running.status_code == 200
+        first = next(running.iter_bytes())
+        assert b'"text"' in first and b"error" not in first, first  # it runs on D
+        for stream in (False, True):
+            body = {"prompt": PROMPT, "max_tokens": 8, "n": 2, "stream": stream}
+            r = client.post(f"{url}/v1/completions", json=body, headers={"X-Request-Id": "dup"})
+            if stream:
+                assert r.status_code == 200 and '"error"' in r.text, r.text
+                assert r.text.endswith("data: [DONE]\n\n")
+            else:
+                assert r.status_code == 409, r.text
+                assert r.json()["error"]["param"] == "X-Request-Id"
