@@ -14,7 +14,14 @@ import msgspec
 import pytest
 from test_router_fake_instance import FakeInstance, running_router
 
-from pdserve.router.choices import StreamMerge, choice_body, choice_count, merge_whole
+from pdserve.router.choices import (
+    StreamMerge,
+    choice_body,
+    choice_count,
+    choices_fit,
+    merge_whole,
+)
+from pdserve.server.protocol import SEED_MAX
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -34,6 +41,24 @@ def test_choice_bodies_and_counts() -> None:
         1,
         1,
     ]
+
+
+def test_choices_that_one_instance_could_run_but_not_as_requests_are_not_fanned_out() -> None:
+    assert choices_fit(BODY, "r", 3) and choices_fit({"seed": SEED_MAX - 2}, "r", 3)
+    assert not choices_fit({"seed": SEED_MAX - 1}, "r", 3)  # choice 2's seed: too large
+    assert choices_fit({}, "x" * 126, 3) and not choices_fit({}, "x" * 126, 11)  # id length
+
+
+def test_long_ids_and_large_seeds_go_whole_to_a_decode_instance() -> None:
+    with (
+        FakeInstance("prefill") as p,
+        FakeInstance("decode") as d,
+        running_router([p], [d], "pull") as r,
+    ):
+        for body, rid in (({**BODY, "seed": SEED_MAX}, "a"), (BODY, "y" * 127)):
+            resp = httpx.post(f"{r}/v1/completions", json=body, headers={"X-Request-Id": rid})
+            assert resp.status_code == 200, resp.text
+    assert not p.received and [q.body["n"] for q in d.received] == [3, 3]
 
 
 def _answer(rid: str, i: int, text: str, completion: int) -> bytes:

@@ -205,7 +205,7 @@ def a_choice_is_refused(url: str) -> None:
     instance, which refuses it while another request with that id runs there: a 409, or
     in a stream (already started) an error event, as one instance answers; choice 0 is
     aborted."""
-    long = {"prompt": PROMPT[:40], "max_tokens": 2000, "ignore_eos": True, "stream": True}
+    long = {"prompt": PROMPT[:40], "max_tokens": 4000, "ignore_eos": True, "stream": True}
     headers = {"X-Request-Id": "dup-1"}
     with (
         httpx.Client(timeout=300, trust_env=False) as client,

@@ -42,6 +42,7 @@ from pdserve.server.sse import data_event_bytes
 T = TypeVar("T")
 
 DONE_EVENT = b"data: [DONE]\n\n"
+MAX_REQUEST_ID = 128  # characters of an X-Request-Id (pdserve.server.request_ids)
 
 
 def choice_count(body: dict[str, Any]) -> int:
@@ -51,11 +52,13 @@ def choice_count(body: dict[str, Any]) -> int:
     return n if type(n) is int and 2 <= n <= MAX_N else 1
 
 
-def seeds_fit(body: dict[str, Any], n: int) -> bool:
-    """Whether every choice's seed `seed + i` is a seed an instance takes (one instance
-    seeds torch past that range; a choice alone would be refused)."""
+def choices_fit(body: dict[str, Any], request_id: str, n: int) -> bool:
+    """Whether every choice can be sent as its own request: its seed `seed + i` is one an
+    instance takes and its id `<id>-<i>` one it accepts (one instance makes its choices
+    without either limit; a choice alone would be refused)."""
     seed = body.get("seed")
-    return type(seed) is not int or seed + n - 1 <= SEED_MAX
+    seeds = type(seed) is not int or seed + n - 1 <= SEED_MAX
+    return seeds and len(choice_request_id(request_id, n - 1)) <= MAX_REQUEST_ID
 
 
 def choice_body(body: dict[str, Any], index: int) -> dict[str, Any]:

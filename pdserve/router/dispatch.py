@@ -98,9 +98,9 @@ from pdserve.router.choices import (
     choice_body,
     choice_count,
     choice_request_id,
+    choices_fit,
     merge_whole,
     run_choices,
-    seeds_fit,
 )
 from pdserve.router.config import RouterConfig
 from pdserve.router.ejection import InstanceEjected, StreamWatch, until_ejected
@@ -275,7 +275,7 @@ class Dispatcher:
 
     def _fans_out(self, call: Call, n: int) -> bool:
         """Whether `n` choices can go through P/D as n requests (else whole to D)."""
-        return n == 1 or (not self._vllm and seeds_fit(call.body, n))
+        return n == 1 or (not self._vllm and choices_fit(call.body, call.request_id, n))
 
     async def _choices(self, call: Call, demand: Demand, n: int) -> Response:
         """`n` > 1: one P/D request per choice, merged (`pdserve.router.choices`)."""
