@@ -1,6 +1,6 @@
 """The router and the sampling API, against fake instances: P's leg keeps the client's
 sampling fields (P samples the first token as asked; `min_tokens` cut to its one token);
-prompt logprobs, `max_tokens` 0 and `n` > 1 go whole to a decode instance."""
+prompt logprobs and `max_tokens` 0 go whole to a decode instance (`n` > 1: test_router_choices)."""
 
 from __future__ import annotations
 
@@ -40,8 +40,8 @@ def test_prefill_leg_keeps_the_sampling_fields() -> None:
 @pytest.mark.parametrize(
     ("path", "body", "local"),
     [
-        ("/v1/completions", {"n": 2}, True),
-        ("/v1/chat/completions", {"n": 3}, True),
+        ("/v1/completions", {"n": 2}, False),  # one P/D request per choice
+        ("/v1/chat/completions", {"n": 3}, False),
         ("/v1/completions", {"n": 1}, False),
         ("/v1/completions", {"echo": True, "logprobs": 0}, True),
         ("/v1/completions", {"echo": True, "max_tokens": 0}, True),
@@ -56,13 +56,13 @@ def test_local_only_requests(path: str, body: dict, local: bool) -> None:
 
 
 @pytest.mark.parametrize("mode", ["pull", "push"])
-def test_n_and_prompt_logprobs_skip_the_prefill_instance(mode: str) -> None:
+def test_prompt_logprobs_skip_the_prefill_instance(mode: str) -> None:
     with (
         FakeInstance("prefill") as p,
         FakeInstance("decode") as d,
         running_router([p], [d], mode) as r,
     ):
-        for extra in ({"n": 2}, {"echo": True, "logprobs": 1, "max_tokens": 0}):
+        for extra in ({"echo": True, "logprobs": 1}, {"echo": True, "max_tokens": 0}):
             resp = httpx.post(f"{r}/v1/completions", json={**SAMPLING, **extra})
             assert resp.status_code == 200, resp.text
         plain = httpx.post(f"{r}/v1/completions", json=SAMPLING)

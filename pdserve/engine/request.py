@@ -55,6 +55,10 @@ class Request:
         self.generator: torch.Generator | None = None
         if req.params.seed is not None:
             self.generator = torch.Generator().manual_seed(req.params.seed)
+        # D side: P sampled the first token with the seed's first draw, so D's tokens start
+        # at the second (then seeded P/D output equals one instance's), skipped at D's first
+        # sampling by the runner.
+        self.draws_to_skip = 1 if self.needs_remote_kv and self.generator is not None else 0
         # Only when asked: one per output token; one per prompt token (None for the first),
         # filled by the runner as the prompt's chunks run, handed out with the first output.
         self.logprobs: list[TokenLogprob | None] | None = None

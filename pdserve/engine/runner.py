@@ -14,7 +14,7 @@ import torch
 from pdserve.engine.logprobs import prompt_chunk_logprobs, token_logprobs
 from pdserve.engine.penalties import process_logits
 from pdserve.engine.request import Request
-from pdserve.engine.sampler import sample
+from pdserve.engine.sampler import sample, skip_draws
 from pdserve.engine.scheduler import ScheduledSeq
 from pdserve.kv.cache import KVCache
 from pdserve.model.attention import (
@@ -77,6 +77,10 @@ class ModelRunner:
             prompts = [r.prompt_token_ids for r in reqs]
             outputs = [r.output_token_ids for r in reqs]
             process_logits(logits, params, prompts, outputs, self.eos_ids)
+        for r in reqs:
+            if r.draws_to_skip and r.generator is not None:
+                skip_draws(r.generator, logits.shape[-1], r.draws_to_skip)
+                r.draws_to_skip = 0
         tokens = sample(logits, params, [r.generator for r in reqs])
         out = {r.request_id: Sampled(t) for r, t in zip(reqs, tokens, strict=True)}
         if raw is not None:

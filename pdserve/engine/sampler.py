@@ -37,6 +37,15 @@ def _sample_row(row: torch.Tensor, p: SamplingParams, gen: torch.Generator | Non
     return int(torch.multinomial(probs, 1, generator=gen).item())
 
 
+def skip_draws(gen: torch.Generator, vocab: int, n: int) -> None:
+    """Advance `gen` past the draws of `n` sampled tokens over `vocab` ids: what
+    `_sample_row` takes from it per token, which does not depend on the probabilities
+    (the same call, on uniform ones)."""
+    probs = torch.full((vocab,), 1.0 / vocab)
+    for _ in range(n):
+        torch.multinomial(probs, 1, generator=gen)
+
+
 def _top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     """Keep the smallest set of tokens whose mass reaches `top_p` (always the top one)."""
     sorted_p, idx = probs.sort(descending=True)

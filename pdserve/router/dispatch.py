@@ -17,7 +17,10 @@ which prefills it itself: no P leg, no transfer. Its length must be known exactl
 ids, or the instance's `/tokenize`, not asked for a text far above the threshold); when it
 is not, the request is disaggregated. On by default below 64 tokens (`RouterConfig`).
 Requests one instance serves better (`pdserve.router.local_only`: prompt logprobs,
-`max_tokens` 0, `n` > 1) go the same way whatever their length.
+`max_tokens` 0) go the same way whatever their length.
+
+`n` > 1 (`pdserve.router.choices`): one P/D request per choice, the answers merged; on
+vLLM's instances such a request goes whole to a decode instance.
 
 No prefill left: while no prefill instance can take this mode's P leg but a decode
 instance is admitted, every request is served as a local prefill on a decode instance
@@ -88,6 +91,17 @@ from fastapi.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from pdserve.router import vllm_legs
+from pdserve.router.choices import (
+    ChoiceLeg,
+    ChoicesStreamingResponse,
+    StreamMerge,
+    choice_body,
+    choice_count,
+    choice_request_id,
+    choices_fit,
+    merge_whole,
+    run_choices,
+)
 from pdserve.router.config import RouterConfig
 from pdserve.router.ejection import InstanceEjected, StreamWatch, until_ejected
 from pdserve.router.health import (
@@ -142,6 +156,7 @@ class Call:
     stream: bool
     request_id: str
     arrival: float = field(default_factory=time.monotonic)
+    choice: ChoiceLeg | None = None  # one choice of a request with n > 1 (`choices`)
 
 
 @dataclass(frozen=True)
@@ -233,7 +248,8 @@ class Dispatcher:
         hop(call.request_id, "r.received")
         try:
             demand, exact = await self._demand(call)
-            if local_only_reason(call.body, call.path) is not None:
+            n = choice_count(call.body)
+            if local_only_reason(call.body, call.path) is not None or not self._fans_out(call, n):
                 mode = "local"
                 return await self._local(call, demand, mode)
             if exact and demand.prompt_tokens < self._config.local_prefill_below:
@@ -242,15 +258,49 @@ class Dispatcher:
             if self._no_prefill_left():
                 mode = "local_fallback"
                 return await self._local(call, demand, mode)
-            if not self._config.concurrent_legs:
-                return await self._pull(call, demand)
-            return await self._push(call, demand)
+            if n > 1:
+                return await self._choices(call, demand, n)
+            return await self._disaggregated(call, demand)
         except APIError as err:
             self._metrics.requests.labels(mode, str(err.status)).inc()
             return err.response(headers={"X-Request-Id": call.request_id})
         except asyncio.CancelledError:
             self._metrics.requests.labels(mode, "client_disconnect").inc()
             raise
+
+    async def _disaggregated(self, call: Call, demand: Demand) -> Response:
+        if not self._config.concurrent_legs:
+            return await self._pull(call, demand)
+        return await self._push(call, demand)
+
+    def _fans_out(self, call: Call, n: int) -> bool:
+        """Whether `n` choices can go through P/D as n requests (else whole to D)."""
+        return n == 1 or (not self._vllm and choices_fit(call.body, call.request_id, n))
+
+    async def _choices(self, call: Call, demand: Demand, n: int) -> Response:
+        """`n` > 1: one P/D request per choice, merged (`pdserve.router.choices`)."""
+
+        def start(choice: ChoiceLeg) -> Awaitable[Response]:
+            i = choice.index
+            one = Call(
+                call.path,
+                choice_body(call.body, i),
+                call.stream,
+                choice_request_id(call.request_id, i),
+                call.arrival,
+                choice,
+            )
+            return self._disaggregated(one, demand)
+
+        answers = await run_choices(n, start, _discard)
+        headers = {"X-Request-Id": call.request_id}
+        if done := answers[0].headers.get(PREFILL_DONE_HEADER):
+            headers[PREFILL_DONE_HEADER] = done
+        if not call.stream:
+            body = merge_whole([bytes(a.body) for a in answers], call.request_id)
+            return Response(body, 200, headers, answers[0].media_type)
+        relays = [a.relay for a in answers if isinstance(a, RelayStreamingResponse)]
+        return ChoicesStreamingResponse(relays, StreamMerge(n, call.request_id), headers)
 
     async def aclose(self) -> None:
         """Cancel P legs still running in the background (router shutdown)."""
@@ -312,7 +362,7 @@ class Dispatcher:
     async def _pull(self, call: Call, demand: Demand) -> Response:
         if not self._pool.admitted("decode"):  # don't spend a prefill nobody can decode
             raise _no_instance(self._pool, "decode")
-        p, p_leg = self._acquire("prefill", demand)
+        p, p_leg = self._acquire("prefill", demand, prefer=_preferred_prefill(call))
         # A fresh transfer id: without one P would use the request id, and a client reusing
         # its X-Request-Id would collide with the previous request's hold on P.
         tid = _new_tid()
@@ -365,7 +415,8 @@ class Dispatcher:
     # -- push -----------------------------------------------------------------------------
 
     async def _push(self, call: Call, demand: Demand) -> Response:
-        p, p_leg = self._acquire("prefill", demand, need_push_info=True)
+        prefer = _preferred_prefill(call)
+        p, p_leg = self._acquire("prefill", demand, need_push_info=True, prefer=prefer)
         ready_in = self._pool.predict_prefill_s(p)
         acquired = self._pool.acquire("decode", replace(demand, ready_in_s=ready_in))
         if acquired is None:
@@ -400,6 +451,8 @@ class Dispatcher:
             await cancel_and_wait(p_task, d_task)
             raise
         self._after_prefill(p_task, start.first_token_unix)
+        if call.choice is not None:  # D has the prompt's KV: P has prefilled it
+            call.choice.prefilled_on(p)
         hop(tid, "r.first_token", start.first_token_unix, rid=call.request_id)
         return self._respond(call, "push", d, d_leg, start, p_task)
 
@@ -470,9 +523,14 @@ class Dispatcher:
     # -- legs -----------------------------------------------------------------------------
 
     def _acquire(
-        self, role: Role, demand: Demand, *, need_push_info: bool = False
+        self,
+        role: Role,
+        demand: Demand,
+        *,
+        need_push_info: bool = False,
+        prefer: Instance | None = None,
     ) -> tuple[Instance, Leg]:
-        acquired = self._pool.acquire(role, demand, need_push_info=need_push_info)
+        acquired = self._pool.acquire(role, demand, need_push_info=need_push_info, prefer=prefer)
         if acquired is None:
             raise _no_instance(self._pool, role, need_push_info)
         return acquired
@@ -518,6 +576,8 @@ class Dispatcher:
         params_back = _json_object(r.content).get("kv_transfer_params")
         if not isinstance(params_back, dict):
             return PrefillResult(None, None)
+        if call.choice is not None:
+            call.choice.prefilled_on(p)
         done = params_back.get("prefill_done_time")
         if not isinstance(done, int | float):
             done = time.time() if self._vllm else None  # vLLM's P does not say when
@@ -746,7 +806,7 @@ class RelayStreamingResponse(StreamingResponse):
     def __init__(
         self, relay: DecodeRelay, status: int, headers: dict[str, str], media_type: str | None
     ) -> None:
-        self._relay = relay
+        self.relay = relay
         self._chunks: AsyncGenerator[bytes, None] = relay.chunks()
         self._started = False
         super().__init__(self._chunks, status, headers, media_type or "text/event-stream")
@@ -759,13 +819,13 @@ class RelayStreamingResponse(StreamingResponse):
         finally:
             with anyio.CancelScope(shield=True):
                 await self._chunks.aclose()
-            self._relay.close("client_disconnect")
+            self.relay.close("client_disconnect")
 
     async def _send_head(self, send: Send) -> None:
         start = {"type": "http.response.start", "status": self.status_code}
         await send({**start, "headers": self.raw_headers})
         self._started = True
-        if head := self._relay.head():
+        if head := self.relay.head():
             hop("relay", "r.relay_first")
             await send({"type": "http.response.body", "body": head, "more_body": True})
 
@@ -790,6 +850,17 @@ async def _read_until_started(chunks: AsyncIterator[bytes]) -> bytes:
         if detector.feed(chunk):
             break
     return b"".join(held)
+
+
+def _preferred_prefill(call: Call) -> Instance | None:
+    """The prefill instance a choice after the first goes to (the first choice's)."""
+    return call.choice.prefill if call.choice is not None else None
+
+
+def _discard(answer: Response) -> None:
+    """Close a started choice whose siblings failed (aborting its stream on D)."""
+    if isinstance(answer, RelayStreamingResponse):
+        answer.relay.close("choice_failed")
 
 
 def _prefill_done_time(p_task: asyncio.Task[PrefillResult]) -> float | None:

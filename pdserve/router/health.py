@@ -190,15 +190,24 @@ class InstancePool:
         )
 
     def acquire(
-        self, role: Role, demand: Demand, *, need_push_info: bool = False
+        self,
+        role: Role,
+        demand: Demand,
+        *,
+        need_push_info: bool = False,
+        prefer: Instance | None = None,
     ) -> tuple[Instance, Leg] | None:
-        """Pick an admitted instance and open a leg on it; the caller must `release` it."""
+        """Pick an admitted instance (`prefer` when it is one it could pick, else the
+        policy's choice) and open a leg on it; the caller must `release` it."""
         candidates = self.admitted(role)
         if need_push_info:
             candidates = [i for i in candidates if i.can_receive_push]
         if not candidates:
             return None
-        chosen = self._policies[role].pick(candidates, demand)
+        if any(c is prefer for c in candidates):
+            chosen = prefer
+        else:
+            chosen = self._policies[role].pick(candidates, demand)
         prefills = role == "prefill" or demand.local_prefill
         prompt = demand.prompt_tokens if prefills else 0
         decode = demand.decode_tokens if role == "decode" else 0

@@ -34,6 +34,7 @@ from pdserve.token_logprob import MAX_LOGPROBS
 
 # The range torch.Generator.manual_seed accepts without wrapping.
 _SEED_MAX = 2**63 - 1
+SEED_MAX = _SEED_MAX  # public: the router checks the seeds of choices it fans out
 
 # Bounds on per-token work a client can ask for (OpenAI allows 4 stop sequences, vLLM has no
 # limit): every stop string is looked for in the new text after each token, and

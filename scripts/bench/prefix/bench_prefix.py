@@ -9,9 +9,14 @@ replays the same requests. Each configuration gets a fresh cluster (cold caches)
   2p2d:  2P2D push with caching on, router policy cache_aware vs round_robin vs
          least_loaded.
 
-Reported per configuration: TTFT p50/p99 (the bench's result), KV bytes moved between the
-instances (`pdserve_kv_bytes_transferred_total` summed over them, before/after) and the
-prefix-cache hit rate (`pdserve_prefix_cache_hits_total / _queries_total` over them).
+On a shared machine, `--rounds N` runs the configurations N times, interleaved (every
+configuration once per round), so that a load that changes during the run hits them all;
+compare configurations within a round, and the rounds with each other.
+
+Reported per configuration: TTFT p50/p99 (the bench's result), the 1-minute load average
+before and after, KV bytes moved between the instances (`pdserve_kv_bytes_transferred_total`
+summed over them, before/after) and the prefix-cache hit rate
+(`pdserve_prefix_cache_hits_total / _queries_total` over them).
 Processes bind 127.0.0.1 on free ports and are stopped by PID at the end.
 """
 
@@ -19,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 import time
@@ -87,7 +93,7 @@ def run_config(a: argparse.Namespace, name: str, mode: str, n_p: int, n_d: int,
         "config": name, "ttft_p50_ms": r["median_ttft_ms"], "ttft_p99_ms": r["p99_ttft_ms"],
         "tpot_p50_ms": r["median_tpot_ms"], "kv_bytes_moved": moved,
         "prefix_hit_rate": hits / queries if queries else 0.0,
-        "loadavg_before": r["loadavg_before"],
+        "loadavg_before": r["loadavg_before"], "loadavg_after": os.getloadavg()[0],
     }  # fmt: skip
     print(json.dumps(row), flush=True)
     return row
@@ -116,11 +122,16 @@ def main() -> None:
     ap.add_argument("--rate", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--kv-blocks", type=int, default=4096)
+    ap.add_argument("--rounds", type=int, default=1, help="run every configuration N times")
     a = ap.parse_args()
     OUT.mkdir(parents=True, exist_ok=True)
     # `timeout` sends SIGTERM: exit through `finally` so every child is stopped.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
-    rows = [run_config(a, name, *CONFIGS[name]) for name in a.configs]
+    rows = [
+        {**run_config(a, name, *CONFIGS[name]), "round": k}
+        for k in range(a.rounds)
+        for name in a.configs
+    ]
     (OUT / "summary.json").write_text(json.dumps(rows, indent=1))
 
 
