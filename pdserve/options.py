@@ -8,8 +8,8 @@ namespace never leaves the command's module (configs are what is handed down).
 
 What a flag takes from its field, unless the option says otherwise:
 - its name: `--` and the field's name with dashes (`flag=` names another);
-- its default: the field's (`flag_default=` for a field without one, `env=` for a default
-  read from the environment when the parser is built, as the flags always did);
+- its default: the field's (`flag_default=` where the command line's differs, as for a field
+  without one; `env=` for a default read from the environment when the parser is built);
 - its type: the annotation's (`int`, `float`, `str`, `Path`, `X | None` as `X`), or
   `parse=`, an argparse type function (`positive_int` ...);
 - its choices: the values of a `Literal` annotation, in order;
@@ -37,6 +37,16 @@ _READS = "pdserve.reads"
 _NO = "--no-"
 
 
+class _Unset:
+    """`Option.flag_default` when the option gives none."""
+
+    def __repr__(self) -> str:
+        return "UNSET"
+
+
+UNSET: Any = _Unset()
+
+
 @dataclasses.dataclass(frozen=True)
 class Option:
     """How one config field appears on the command line (see the module docstring)."""
@@ -47,7 +57,7 @@ class Option:
     metavar: str | None = None
     parse: Callable[[str], Any] | None = None
     env: str | None = None
-    flag_default: Any = None  # the flag's default for a field without one
+    flag_default: Any = UNSET  # the flag's default, where it is not the field's
     negatable: bool = False
     required: bool | None = None  # None: required when the field has no default
     nargs: str | None = None  # "+" or "*": the values extend those of an earlier use
@@ -144,12 +154,14 @@ def _argparse_kwargs(field: dataclasses.Field, opt: Option, hint: Any) -> dict[s
 
 
 def _default(field: dataclasses.Field, opt: Option) -> Any:
-    if field.default is not dataclasses.MISSING:
+    if opt.flag_default is not UNSET:
+        default = opt.flag_default
+    elif field.default is not dataclasses.MISSING:
         default = field.default
     elif field.default_factory is not dataclasses.MISSING:
         default = field.default_factory()
     else:
-        default = opt.flag_default
+        default = None
     if opt.env is not None:
         return os.environ.get(opt.env) or default
     return default

@@ -34,9 +34,10 @@ from pdserve.cluster.ray_actors import (
     RouterActorSpec,
     remote_classes,
 )
-from pdserve.cluster.ray_local import RayConnection, connect, disconnect
+from pdserve.cluster.ray_local import RAY_GROUP, RayConnection, connect, disconnect
 from pdserve.cluster.registry import InstanceRecord
 from pdserve.launcher import ClusterConfig
+from pdserve.options import from_flag, option
 from pdserve.server.load_report import LoadReport
 from pdserve.transfer.cluster_auth import route_headers
 
@@ -53,8 +54,13 @@ class RayClusterConfig:
 
     cluster: ClusterConfig
     connection: RayConnection = field(default_factory=RayConnection)
-    actor_cpus: float = 1.0
-    max_restarts: int = 3
+    actor_cpus: float = option(
+        1.0,
+        group=RAY_GROUP,
+        metavar="N",
+        help="CPUs each instance actor asks for (default: %(default)s; also its --threads)",
+    )
+    max_restarts: int = from_flag("--max-restarts", 3)  # `pdserve up`'s, for each actor
     drain_timeout_s: float = 120.0
 
 
