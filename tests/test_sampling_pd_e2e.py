@@ -14,6 +14,7 @@ import pytest
 from test_pd_e2e import wait_blocks_free
 
 from pdserve.launcher import Cluster, ClusterConfig
+from pdserve.sse import events_data
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -78,13 +79,12 @@ def _collect(r: httpx.Response) -> dict[str, Any]:
     import json
 
     text, tokens, values = "", [], []
-    for block in r.text.split("\n\n"):
-        if block.startswith("data: {"):
-            choice = json.loads(block[6:])["choices"][0]
-            text += choice["text"]
-            lp = choice["logprobs"] or {"tokens": [], "token_logprobs": []}
-            tokens += lp["tokens"]
-            values += lp["token_logprobs"]
+    for data in events_data(r.content)[:-1]:  # the last is [DONE]
+        choice = json.loads(data)["choices"][0]
+        text += choice["text"]
+        lp = choice["logprobs"] or {"tokens": [], "token_logprobs": []}
+        tokens += lp["tokens"]
+        values += lp["token_logprobs"]
     return {"choices": [{"text": text, "logprobs": {"tokens": tokens, "token_logprobs": values}}]}
 
 

@@ -24,9 +24,9 @@ from typing import Literal
 import httpx
 import msgspec
 import numpy as np
-from httpx_sse import EventSource
 
 from pdserve.bench.soak_report import cause_of_exception, cause_of_http, cause_of_stream_error
+from pdserve.sse import SseDecoder
 
 Status = Literal["completed", "aborted", "failed"]
 
@@ -184,19 +184,26 @@ async def _stream_until_abort(
         if resp.status_code != 200:
             body = await resp.aread()
             raise _Failed(cause_of_http(resp.status_code, body), body.decode(errors="replace"))
-        # httpx-sse, not aiter_lines: that also splits at U+2028/U+2029/U+0085 inside JSON.
-        async for event in EventSource(resp).aiter_sse():
-            data = event.data
-            if data == "[DONE]":
-                return True
-            chunk = _CHUNK.decode(data)
-            if chunk.error is not None:
-                raise _Failed(cause_of_stream_error(bytes(chunk.error)), data)
-            if chunk.choices:
-                seen[0] += 1
-                if seen[0] >= (req.abort_after_tokens or 0):
+        # pdserve.sse, not aiter_lines: that also splits at U+2028/U+2029/U+0085 inside JSON.
+        decoder = SseDecoder()
+        async for raw in resp.aiter_bytes():
+            for data in decoder.feed(raw):
+                if data == "[DONE]":
+                    return True
+                if not _counts_token(data, seen, req):
                     return False
     raise _Failed("stream ended before [DONE]", f"after {seen[0]} token chunks")
+
+
+def _counts_token(data: str, seen: list[int], req: SoakRequest) -> bool:
+    """Count one stream event's token chunk in `seen[0]`; False once the abort point is
+    reached. An error event fails the request (`_Failed`)."""
+    chunk = _CHUNK.decode(data)
+    if chunk.error is not None:
+        raise _Failed(cause_of_stream_error(bytes(chunk.error)), data)
+    if chunk.choices:
+        seen[0] += 1
+    return not (chunk.choices and seen[0] >= (req.abort_after_tokens or 0))
 
 
 async def _send_aborted(

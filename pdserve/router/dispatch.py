@@ -118,7 +118,7 @@ from pdserve.router.upstream import (
     UpstreamTimeout,
 )
 from pdserve.server.errors import APIError
-from pdserve.server.sse import data_event_bytes
+from pdserve.sse import data_event_bytes
 from pdserve.transfer.cluster_auth import LEG_SIGNATURE_HEADER, sign_leg
 from pdserve.transfer.hoptrace import hop
 from pdserve.transfer.params import InvalidKVTransferParams
