@@ -137,7 +137,8 @@ class _Completion(msgspec.Struct):
 
 class _StreamChunk(msgspec.Struct):
     choices: list[msgspec.Raw] = msgspec.field(default_factory=list)
-    error: msgspec.Raw | None = None
+    # Raw, not `Raw | None`: msgspec refuses an object for that union. Empty: no error.
+    error: msgspec.Raw = msgspec.Raw()
 
 
 _COMPLETION = msgspec.json.Decoder(_Completion)
@@ -199,7 +200,7 @@ def _counts_token(data: str, seen: list[int], req: SoakRequest) -> bool:
     """Count one stream event's token chunk in `seen[0]`; False once the abort point is
     reached. An error event fails the request (`_Failed`)."""
     chunk = _CHUNK.decode(data)
-    if chunk.error is not None:
+    if len(chunk.error) and bytes(chunk.error) != b"null":
         raise _Failed(cause_of_stream_error(bytes(chunk.error)), data)
     if chunk.choices:
         seen[0] += 1
