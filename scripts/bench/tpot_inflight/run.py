@@ -25,9 +25,10 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from dataclasses import dataclass, replace
 from pathlib import Path
+
+import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from procstat import cpu_s, run_delay_s
@@ -126,7 +127,7 @@ def try_start(
 
 
 def kv_received(url: str) -> float:
-    body = urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()
+    body = httpx.get(f"{url}/metrics", timeout=10).text
     m = re.search(r"^pdserve_kv_received_total\S*\s+(\S+)", body, re.M)
     return float(m.group(1)) if m else float("nan")
 
