@@ -53,14 +53,16 @@ class Option:
 
     help: str | None  # None: hidden from --help
     flag: str | None = None
+    aliases: tuple[str, ...] = ()  # other names of the flag (older spellings)
     group: str | None = None  # the title of the argument group it is listed under
-    metavar: str | None = None
+    metavar: str | tuple[str, ...] | None = None
     parse: Callable[[str], Any] | None = None
+    choices: tuple[Any, ...] | None = None  # None: a Literal annotation's values, if any
     env: str | None = None
     flag_default: Any = UNSET  # the flag's default, where it is not the field's
     negatable: bool = False
     required: bool | None = None  # None: required when the field has no default
-    nargs: str | None = None  # "+" or "*": the values extend those of an earlier use
+    nargs: str | int | None = None  # "+" or "*": the values extend an earlier use's
     append: bool = False  # one value per use, the flag repeated for more
 
     def name(self, field: str) -> str:
@@ -105,8 +107,9 @@ def add_options(
         opt = field.metadata.get(_KEY)
         if opt is None:
             continue
-        target = _group(parser, opt.group or group)
-        target.add_argument(opt.name(name), **_argparse_kwargs(field, opt, hints[name]))
+        target = group_titled(parser, opt.group or group)
+        flags = (opt.name(name), *opt.aliases)
+        target.add_argument(*flags, **_argparse_kwargs(field, opt, hints[name]))
 
 
 def from_args(cls: type, args: argparse.Namespace, **computed: Any) -> Any:
@@ -140,13 +143,15 @@ def _argparse_kwargs(field: dataclasses.Field, opt: Option, hint: Any) -> dict[s
     if required:
         kwargs["required"] = True
         del kwargs["default"]
-    if opt.nargs is not None:
+    if isinstance(opt.nargs, int):  # a fixed number of values, stored as they come
+        kwargs["nargs"] = opt.nargs
+    elif opt.nargs is not None:
         kwargs |= {"nargs": opt.nargs, "action": "extend"}
-    if opt.nargs is not None or opt.append:
+    if isinstance(opt.nargs, str) or opt.append:
         kwargs.setdefault("action", "append")
         if not required:  # argparse copies it before adding to it
             kwargs["default"] = list(default or ())
-    choices = _choices(hint)
+    choices = opt.choices if opt.choices is not None else _choices(hint)
     if choices is not None:
         kwargs["choices"] = choices
     kwargs["type"] = opt.parse or _scalar(hint, choices)
@@ -195,7 +200,7 @@ def _scalar(hint: Any, choices: tuple[Any, ...] | None) -> Callable[[str], Any]:
     raise TypeError(f"no command-line type for {hint!r}: give the option a `parse`")
 
 
-def _group(
+def group_titled(
     parser: argparse.ArgumentParser | argparse._ArgumentGroup, title: str | None
 ) -> argparse.ArgumentParser | argparse._ArgumentGroup:
     """The argument group of `parser` titled `title` (made if new); `parser` for None."""
