@@ -114,14 +114,16 @@ def add_options(
 
 def from_args(cls: type, args: argparse.Namespace, **computed: Any) -> Any:
     """The `cls` config of the parsed flags; `computed` gives the fields that are not a flag's
-    value as parsed (and overrides the rest)."""
+    value as parsed (and overrides the rest). A field whose flag the command line lacks keeps
+    its default."""
     values: dict[str, Any] = {}
     for field in dataclasses.fields(cls):
         flag = field.metadata.get(_READS)
         opt = field.metadata.get(_KEY)
         if opt is not None:
             flag = opt.name(field.name)
-        if flag is not None and field.name not in computed:
+        # A flag its command did not add (`add_options(..., only=...)`): the field's default.
+        if flag is not None and field.name not in computed and hasattr(args, dest(flag)):
             value = getattr(args, dest(flag))
             values[field.name] = tuple(value) if isinstance(value, list) else value
     return cls(**values, **computed)
