@@ -62,7 +62,7 @@ class Option:
     flag_default: Any = UNSET  # the flag's default, where it is not the field's
     negatable: bool = False
     required: bool | None = None  # None: required when the field has no default
-    nargs: str | int | None = None  # "+" or "*": the values extend an earlier use's
+    nargs: str | int | None = None  # "+" or "*": see `_argparse_kwargs` on repeating it
     append: bool = False  # one value per use, the flag repeated for more
 
     def name(self, field: str) -> str:
@@ -145,14 +145,16 @@ def _argparse_kwargs(field: dataclasses.Field, opt: Option, hint: Any) -> dict[s
     if required:
         kwargs["required"] = True
         del kwargs["default"]
-    if isinstance(opt.nargs, int):  # a fixed number of values, stored as they come
+    if opt.nargs is not None:
         kwargs["nargs"] = opt.nargs
-    elif opt.nargs is not None:
-        kwargs |= {"nargs": opt.nargs, "action": "extend"}
-    if isinstance(opt.nargs, str) or opt.append:
-        kwargs.setdefault("action", "append")
+    # Repeating the flag adds values where its default is empty; argparse would add them to
+    # a non-empty default, so such a flag's values replace it (the last use wins).
+    if opt.append or (isinstance(opt.nargs, str) and not default):
+        kwargs["action"] = "append" if opt.append else "extend"
         if not required:  # argparse copies it before adding to it
-            kwargs["default"] = list(default or ())
+            kwargs["default"] = []
+    elif isinstance(opt.nargs, str) and not required:
+        kwargs["default"] = list(default)
     choices = opt.choices if opt.choices is not None else _choices(hint)
     if choices is not None:
         kwargs["choices"] = choices

@@ -101,3 +101,17 @@ def test_a_field_without_a_command_line_type_is_refused() -> None:
 
     with pytest.raises(TypeError, match="give the option a `parse`"):
         add_options(argparse.ArgumentParser(), Bad)
+
+
+@dataclass(frozen=True)
+class Grid:
+    sizes: tuple[int, ...] = option((1, 2), nargs="+", help="sizes")
+    names: tuple[str, ...] = option((), nargs="+", help="names")
+
+
+def test_a_list_flag_replaces_a_non_empty_default_and_extends_an_empty_one() -> None:
+    parser = argparse.ArgumentParser()
+    add_options(parser, Grid)
+    assert from_args(Grid, parser.parse_args([])) == Grid()
+    args = parser.parse_args(["--sizes", "3", "--sizes", "4", "5", "--names", "a", "--names", "b"])
+    assert from_args(Grid, args) == Grid(sizes=(4, 5), names=("a", "b"))
