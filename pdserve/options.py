@@ -12,7 +12,8 @@ What a flag takes from its field, unless the option says otherwise:
   without one; `env=` for a default read from the environment when the parser is built);
 - its type: the annotation's (`int`, `float`, `str`, `Path`, `X | None` as `X`), or
   `parse=`, an argparse type function (`positive_int` ...);
-- its choices: the values of a `Literal` annotation, in order;
+- its choices: the values of a `Literal` annotation, in order (not with `parse=`, which
+  checks its own);
 - bool: `--x` stores True (default False); a default-True field names its `--no-x` flag,
   which stores False; `negatable=True` gives both `--x` and `--no-x`.
 
@@ -155,7 +156,8 @@ def _argparse_kwargs(field: dataclasses.Field, opt: Option, hint: Any) -> dict[s
             kwargs["default"] = []
     elif isinstance(opt.nargs, str) and not required:
         kwargs["default"] = list(default)
-    choices = opt.choices if opt.choices is not None else _choices(hint)
+    # A `parse` function checks its own values (its result may be a tuple of choices).
+    choices = opt.choices if opt.choices is not None or opt.parse else _choices(hint)
     if choices is not None:
         kwargs["choices"] = choices
     kwargs["type"] = opt.parse or _scalar(hint, choices)

@@ -26,6 +26,7 @@ import msgspec
 import numpy as np
 
 from pdserve.bench.soak_report import cause_of_exception, cause_of_http, cause_of_stream_error
+from pdserve.options import option
 from pdserve.sse import SseDecoder
 
 Status = Literal["completed", "aborted", "failed"]
@@ -35,10 +36,19 @@ Status = Literal["completed", "aborted", "failed"]
 class TrafficConfig:
     """Request mix: lengths uniform over inclusive ranges, a fraction aborted by the client."""
 
-    input_len: tuple[int, int] = (64, 1536)
-    output_len: tuple[int, int] = (8, 128)
-    abort_fraction: float = 0.2
-    abort_window_s: float = 8.0  # a timed abort point is uniform over [0, this]
+    input_len: tuple[int, int] = option(
+        (64, 1536), nargs=2, metavar=("MIN", "MAX"), help="prompt tokens, uniform in MIN..MAX"
+    )
+    output_len: tuple[int, int] = option(
+        (8, 128), nargs=2, metavar=("MIN", "MAX"), help="tokens to generate, uniform in MIN..MAX"
+    )
+    abort_fraction: float = option(0.2, help="fraction of the requests the client aborts")
+    abort_window_s: float = option(  # a timed abort point is uniform over [0, this]
+        8.0,
+        flag="--abort-window",
+        metavar="S",
+        help="a client abort comes at most this long after the send",
+    )
     token_ids: tuple[int, int] = (10, 256)  # prompt ids uniform over [lo, hi)
 
     def __post_init__(self) -> None:
