@@ -29,7 +29,7 @@ import dataclasses
 import os
 import types
 import typing
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -63,7 +63,7 @@ class Option:
     flag_default: Any = UNSET  # the flag's default, where it is not the field's
     negatable: bool = False
     required: bool | None = None  # None: required when the field has no default
-    nargs: str | int | None = None  # "+" or "*": see `_argparse_kwargs` on repeating it
+    nargs: str | int | None = None  # "+" or "*": see `_list_kwargs` on repeating it
     append: bool = False  # one value per use, the flag repeated for more
 
     def name(self, field: str) -> str:
@@ -137,30 +137,40 @@ def _argparse_kwargs(field: dataclasses.Field, opt: Option, hint: Any) -> dict[s
     if opt.metavar is not None:
         kwargs["metavar"] = opt.metavar
     if _unwrap(hint) is bool:
-        if opt.negatable:
-            kwargs["action"] = argparse.BooleanOptionalAction
-        else:
-            kwargs["action"] = "store_false" if default else "store_true"
-        return kwargs
+        return kwargs | {"action": _bool_action(opt, default)}
     required = opt.required if opt.required is not None else _no_default(field)
     if required:
         kwargs["required"] = True
         del kwargs["default"]
-    if opt.nargs is not None:
-        kwargs["nargs"] = opt.nargs
-    # Repeating the flag adds values where its default is empty; argparse would add them to
-    # a non-empty default, so such a flag's values replace it (the last use wins).
-    if opt.append or (isinstance(opt.nargs, str) and not default):
-        kwargs["action"] = "append" if opt.append else "extend"
-        if not required:  # argparse copies it before adding to it
-            kwargs["default"] = []
-    elif isinstance(opt.nargs, str) and not required:
-        kwargs["default"] = list(default)
+    if opt.nargs is not None or opt.append:
+        kwargs |= _list_kwargs(opt, default, required)
     # A `parse` function checks its own values (its result may be a tuple of choices).
     choices = opt.choices if opt.choices is not None or opt.parse else _choices(hint)
     if choices is not None:
         kwargs["choices"] = choices
     kwargs["type"] = opt.parse or _scalar(hint, choices)
+    return kwargs
+
+
+def _bool_action(opt: Option, default: bool) -> Any:
+    if opt.negatable:
+        return argparse.BooleanOptionalAction
+    return "store_false" if default else "store_true"
+
+
+def _list_kwargs(opt: Option, default: Any, required: bool) -> dict[str, Any]:
+    """A flag of several values: repeating it adds values where its default is empty;
+    argparse would add them to a non-empty default, so there the last use's values replace
+    it. A fixed count (`nargs=2`) is stored as given."""
+    kwargs: dict[str, Any] = {} if opt.nargs is None else {"nargs": opt.nargs}
+    if isinstance(opt.nargs, int):
+        return kwargs
+    if opt.append or not default:
+        kwargs["action"] = "append" if opt.append else "extend"
+        if not required:  # argparse copies it before adding to it
+            kwargs["default"] = []
+    elif not required:
+        kwargs["default"] = list(default)
     return kwargs
 
 
@@ -243,10 +253,3 @@ def port_number(text: str) -> int:
     if not 0 <= value <= 65535:
         raise argparse.ArgumentTypeError(f"must be in 0-65535, got {value}")
     return value
-
-
-def describe_groups(parser: argparse.ArgumentParser, groups: Mapping[str, str | None]) -> None:
-    """Make the argument groups `groups` names (title -> description), in that order, so
-    that `add_options` lists its flags under them."""
-    for title, description in groups.items():
-        parser.add_argument_group(title, description)
