@@ -766,7 +766,8 @@ def is_healthy(client: httpx.Client, p: ManagedProcess) -> bool:
 
 @dataclass(frozen=True)
 class UpProcess:
-    """What `pdserve up` itself does after the cluster stops."""
+    """What `pdserve up` itself does after the cluster stops (`main` reads the flag's
+    namespace attribute, `keep_logs`)."""
 
     keep_logs: bool = option(
         False,
@@ -872,7 +873,7 @@ def main(args: argparse.Namespace) -> int:
         cluster.stop()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-        _after_stop(cluster, status, keep_logs=from_args(UpProcess, args).keep_logs)
+        _after_stop(cluster, status, keep_logs=args.keep_logs)
 
 
 def _run(cluster: Cluster, supervisor: Callable[[], Supervisor], stop: _StopRequest) -> int:
