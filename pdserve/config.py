@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from pdserve.faults import NO_FAULTS, Faults
+
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 Role = Literal["both", "prefill", "decode"]
 TransferMode = Literal["pull", "push"]
@@ -66,9 +68,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     threads: int | None = None  # torch intra-op threads; None keeps torch's default
-    # Test/bench knob (`serve --fault-step-delay-ms`, hidden): sleep this long in every step,
-    # to make one instance of a cluster slow for routing benchmarks and tests.
-    fault_step_delay_s: float = 0.0
+    faults: Faults = NO_FAULTS  # tests only (pdserve.faults): reads `step_delay_s`
 
 
 @dataclass(frozen=True)
@@ -117,9 +117,6 @@ class ConnectorConfig:
     quarantine_s: float = 60.0  # D keeps fenced blocks at most this long
     handshake_timeout_s: float = 10.0
     push_layerwise: bool = True  # P: stream each layer's KV as soon as the layer is computed
-    # D, pull: claim and READ on the engine thread, stalling every running stream meanwhile
-    # (the classic pull that push is measured against); default: one reader lane per P.
-    pull_on_engine_loop: bool = False
     heartbeat_s: float = 0.5  # D pings the prefill instances it waits on this often
     heartbeat_misses: int = 6  # a peer silent this many periods is declared down
     registration_ttl_s: float = 30.0  # P drops a registration with no prompt alive after this
@@ -143,8 +140,4 @@ class ConnectorConfig:
     # legs naming it fail at once for `unreachable_cooldown_s`.
     handshake_tries: int = 3
     unreachable_cooldown_s: float = 10.0
-    # Tests force an arrival order with these: D delays its registration; P delays handing
-    # a finished prompt to the writer.
-    push_register_delay_s: float = 0.0
-    push_finish_delay_s: float = 0.0
-    fault_transfer_every: int = 0  # tests: every Nth transfer this instance posts fails
+    faults: Faults = NO_FAULTS  # tests only (pdserve.faults): the transfer faults

@@ -75,7 +75,6 @@ def test_transfer_switches_reach_the_connector_config() -> None:
 
     base = ["serve", "--role", "decode", "--kv-transfer", "pull"]
     default = connector_config(parse_args(base))
-    assert (default.pull_on_engine_loop, default.push_layerwise) == (False, True)
-    argv = [*base, "--pull-read-on-engine-loop", "--no-push-layerwise"]
-    cfg = connector_config(parse_args(argv))
-    assert (cfg.pull_on_engine_loop, cfg.push_layerwise) == (True, False)
+    assert default.push_layerwise is True
+    cfg = connector_config(parse_args([*base, "--no-push-layerwise"]))
+    assert cfg.push_layerwise is False

@@ -36,6 +36,7 @@ from pdserve.cluster.ray_actors import (
 )
 from pdserve.cluster.ray_local import RayConnection, connect, disconnect
 from pdserve.cluster.registry import InstanceRecord
+from pdserve.faults import NO_FAULTS, Faults
 from pdserve.launcher import ClusterConfig
 from pdserve.server.load_report import LoadReport
 from pdserve.transfer.cluster_auth import route_headers
@@ -56,6 +57,7 @@ class RayClusterConfig:
     actor_cpus: float = 1.0
     max_restarts: int = 3
     drain_timeout_s: float = 120.0
+    faults: Faults = NO_FAULTS  # tests only (pdserve.faults): injected into every instance
 
 
 @dataclass
@@ -223,6 +225,7 @@ class RayCluster:
             threads=max(1, math.floor(self.config.actor_cpus)),
             extra_args=c.instance_args,
             startup_timeout_s=c.startup_timeout_s,
+            faults=self.config.faults,
         )
         node = self._preferred_node(role, index)
         options: dict[str, Any] = {

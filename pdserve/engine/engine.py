@@ -274,8 +274,8 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if not sched.seqs:
             return []
-        if self.cfg.fault_step_delay_s:
-            time.sleep(self.cfg.fault_step_delay_s)
+        if self.cfg.faults.step_delay_s:  # fault injection (tests): a slow instance
+            time.sleep(self.cfg.faults.step_delay_s)
         try:
             sampled = self.runner.execute(sched.seqs, self._layer_hook(sched))
         except Exception as exc:  # one bad batch must not kill the instance

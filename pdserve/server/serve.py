@@ -30,6 +30,7 @@ from pdserve.config import (
     SchedulerConfig,
     ServerConfig,
 )
+from pdserve.faults import NO_FAULTS, Faults
 from pdserve.keepalive import SERVER_KEEPALIVE_S
 from pdserve.ports import EXIT_ADDRESS_IN_USE, bind_socket, is_address_in_use
 from pdserve.server import vllm_forms
@@ -169,9 +170,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=LOG_LEVELS,
         help="log verbosity (default: %(default)s)",
     )
-    # Test/bench knob, hidden from --help: sleep this long in every engine step, so that one
-    # instance of a cluster is slow (routing benchmarks and tests; docs/router.md).
-    parser.add_argument("--fault-step-delay-ms", type=float, default=0.0, help=argparse.SUPPRESS)
     parser.epilog = (
         "Requests: /v1/completions defaults to max_tokens=16; /v1/chat/completions without "
         "max_tokens may generate up to the rest of the context. Extensions to OpenAI's "
@@ -219,7 +217,6 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
         cache=cache,
         scheduler=sched,
         threads=args.threads,
-        fault_step_delay_s=max(0.0, args.fault_step_delay_ms) / 1000.0,
     )
     server = ServerConfig(
         host=args.host,
@@ -233,8 +230,9 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
     return engine, server
 
 
-def main(args: argparse.Namespace) -> int:
-    """Run one instance until SIGTERM/SIGINT; returns the exit status."""
+def main(args: argparse.Namespace, faults: Faults = NO_FAULTS) -> int:
+    """Run one instance until SIGTERM/SIGINT; returns the exit status. `faults`: what a test
+    breaks in it (pdserve.faults; tests/fault_serve.py), never set from a flag."""
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
@@ -242,6 +240,7 @@ def main(args: argparse.Namespace) -> int:
         return vllm_serve.main(args)
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # NIXL logs INFO to stdout otherwise
     engine_cfg, server_cfg = configs_from_args(args)
+    engine_cfg = replace(engine_cfg, faults=faults)
     if warning := serve_warning(args.role, args.host, args.kv_host, args.cluster_token):
         log.warning("%s", warning)
     try:
@@ -253,7 +252,7 @@ def main(args: argparse.Namespace) -> int:
         return EXIT_ADDRESS_IN_USE if is_address_in_use(exc) else 1
     with sock:
         log.info("loading %s", engine_cfg.model.model)
-        engine = _start_engine(args, engine_cfg)
+        engine = _start_engine(args, engine_cfg, faults)
         if isinstance(engine, int):
             return engine
         try:
@@ -266,7 +265,9 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
-def _start_engine(args: argparse.Namespace, cfg: EngineConfig) -> EngineHandle | int:
+def _start_engine(
+    args: argparse.Namespace, cfg: EngineConfig, faults: Faults
+) -> EngineHandle | int:
     """The running engine (in a thread, or with `--engine-process` in a child process), or
     the exit status if it cannot be built (logged): 2 for flags that cannot work, 98 for a
     taken side-channel port."""
@@ -275,7 +276,8 @@ def _start_engine(args: argparse.Namespace, cfg: EngineConfig) -> EngineHandle |
     from pdserve.transfer.transport import BackendUnavailableError
 
     try:
-        return _engine_process(args, cfg) if args.engine_process else _engine_thread(args, cfg)
+        start = _engine_process if args.engine_process else _engine_thread
+        return start(args, cfg, faults)
     except (ValueError, FileNotFoundError, BackendUnavailableError) as exc:  # the message says why
         log.error("%s", exc)
         return 2
@@ -289,25 +291,25 @@ def _start_engine(args: argparse.Namespace, cfg: EngineConfig) -> EngineHandle |
         return EXIT_ADDRESS_IN_USE
 
 
-def _engine_thread(args: argparse.Namespace, cfg: EngineConfig) -> EngineHandle:
+def _engine_thread(args: argparse.Namespace, cfg: EngineConfig, faults: Faults) -> EngineHandle:
     from pdserve.engine.async_engine import AsyncEngine
     from pdserve.engine.engine import LLMEngine
     from pdserve.transfer.factory import make_connector_factory
 
-    engine = LLMEngine.from_config(cfg, make_connector_factory(args))
+    engine = LLMEngine.from_config(cfg, make_connector_factory(args, faults))
     handle = AsyncEngine(engine)
     handle.start()
     return handle
 
 
-def _engine_process(args: argparse.Namespace, cfg: EngineConfig) -> EngineHandle:
+def _engine_process(args: argparse.Namespace, cfg: EngineConfig, faults: Faults) -> EngineHandle:
     from pdserve.engine.core_client import EngineCoreClient
     from pdserve.transfer.factory import connector_config, transport_config
 
     pd = args.role != "both"
     client = EngineCoreClient(
         cfg,
-        connector_config(args) if pd else None,
+        replace(connector_config(args), faults=faults) if pd else None,
         transport_config(args) if pd else None,
         log_level=args.log_level,
     )

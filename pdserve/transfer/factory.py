@@ -13,6 +13,7 @@ import secrets
 from typing import TYPE_CHECKING
 
 from pdserve.config import ConnectorConfig, TransportConfig
+from pdserve.faults import NO_FAULTS, Faults
 from pdserve.transfer.messages import Compat
 
 if TYPE_CHECKING:
@@ -107,17 +108,7 @@ def add_transfer_arguments(parser: argparse.ArgumentParser) -> None:
         help="push: write a prompt's KV in one go after prefill instead of layer by "
         "layer as each layer finishes",
     )
-    g.add_argument(
-        "--pull-read-on-engine-loop",
-        action="store_true",
-        help="pull, decode: run the claim and the READ in the engine loop, so every running "
-        "stream waits for them, as classic pull does; only to measure what push and "
-        "pdserve's reader threads save (default: a reader thread per prefill instance)",
-    )
     _add_limit_arguments(g)
-    g.add_argument("--push-register-delay", type=float, default=0.0, help=argparse.SUPPRESS)
-    g.add_argument("--push-finish-delay", type=float, default=0.0, help=argparse.SUPPRESS)
-    g.add_argument("--fault-transfer-every", type=int, default=0, help=argparse.SUPPRESS)
 
 
 def _default(name: str) -> object:
@@ -204,11 +195,7 @@ def connector_config(args: argparse.Namespace) -> ConnectorConfig:
         cluster_token=args.cluster_token,
         lease_s=args.kv_lease,
         recv_timeout_s=args.kv_recv_timeout,
-        push_register_delay_s=args.push_register_delay,
-        push_finish_delay_s=args.push_finish_delay,
-        fault_transfer_every=args.fault_transfer_every,
         push_layerwise=args.push_layerwise,
-        pull_on_engine_loop=args.pull_read_on_engine_loop,
         **{name: getattr(args, name) for _, name, _, _ in _LIMITS},
     )
 
@@ -236,11 +223,13 @@ def compat_of(kv: KVCache, loaded: LoadedModel) -> Compat:
     )
 
 
-def make_connector_factory(args: argparse.Namespace):
-    """A factory for the engine, or None for a monolithic instance."""
+def make_connector_factory(args: argparse.Namespace, faults: Faults = NO_FAULTS):
+    """A factory for the engine, or None for a monolithic instance; `faults`: tests only."""
     if args.role == "both":
         return None
-    return build_factory(connector_config(args), transport_config(args))
+    return build_factory(
+        dataclasses.replace(connector_config(args), faults=faults), transport_config(args)
+    )
 
 
 def build_factory(ccfg: ConnectorConfig, tcfg: TransportConfig):
@@ -251,7 +240,7 @@ def build_factory(ccfg: ConnectorConfig, tcfg: TransportConfig):
         from pdserve.transfer.pull import PullConnector
         from pdserve.transfer.push import PushConnector
 
-        transport = open_kv_transport(tcfg, ccfg.engine_id, kv, ccfg.fault_transfer_every)
+        transport = open_kv_transport(tcfg, ccfg.engine_id, kv, ccfg.faults.fail_transfer_every)
         cls = PushConnector if ccfg.mode == "push" else PullConnector
         return cls(ccfg, kv, engine, compat_of(kv, loaded), transport)
 
