@@ -47,14 +47,12 @@ MODES = {
     "push": ["--kv-transfer", "push"],
     "pull": ["--kv-transfer", "pull"],
     "push-whole": ["--kv-transfer", "push"],
-    "pull-onloop": ["--kv-transfer", "pull"],  # classic pull: claim + READ on D's engine loop
     "push-routerD": ["--kv-transfer", "push"],  # then the router is moved to D's core
     "mono1": ["--monolithic", "--cores", "0"],
 }
 
 INSTANCE_FLAGS = {
     "push-whole": ["--no-push-layerwise"],
-    "pull-onloop": ["--pull-read-on-engine-loop"],
 }
 
 
