@@ -15,7 +15,7 @@ import pytest
 
 from pdserve import __version__
 from pdserve.cli import parse_args
-from pdserve.server.http_protocol import PollFilter
+from pdserve.httpd.protocol import PollFilter
 from pdserve.server.serve import configs_from_args
 from pdserve.transfer.factory import connector_config
 

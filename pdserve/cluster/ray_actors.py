@@ -166,7 +166,7 @@ class RouterHost:
     def __init__(self, spec: RouterActorSpec, cluster_token: str, registry: Any) -> None:
         import ray
 
-        from pdserve.server.serve import LISTEN_BACKLOG
+        from pdserve.httpd.bootstrap import LISTEN_BACKLOG
 
         records = ray.get(registry.records.remote())
         config = _router_config(spec, cluster_token, records)

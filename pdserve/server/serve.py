@@ -11,16 +11,10 @@ This module is imported by `pdserve --help`, so it imports nothing heavy at modu
 from __future__ import annotations
 
 import argparse
-import asyncio
-import contextlib
 import logging
 import os
-import signal
 import socket
-import threading
-from collections.abc import Callable, Iterator
 from dataclasses import replace
-from types import FrameType
 from typing import TYPE_CHECKING
 
 from pdserve.config import (
@@ -31,11 +25,10 @@ from pdserve.config import (
     ServerConfig,
 )
 from pdserve.faults import NO_FAULTS, Faults
-from pdserve.keepalive import SERVER_KEEPALIVE_S
+from pdserve.httpd.bootstrap import LISTEN_BACKLOG, serve_app
 from pdserve.ports import EXIT_ADDRESS_IN_USE, bind_socket, is_address_in_use
 from pdserve.server import vllm_forms
 from pdserve.server.exposure import serve_warning
-from pdserve.server.http_protocol import HeaderDeadlineProtocol, quiet_polls
 from pdserve.transfer.factory import add_transfer_arguments
 from pdserve.vllm import serve as vllm_serve
 
@@ -46,12 +39,6 @@ log = logging.getLogger("pdserve.serve")
 
 API_KEY_ENV = "PDSERVE_API_KEY"
 SHUTDOWN_GRACE_S = 5.0  # in-flight requests get this long to finish on SIGTERM
-# asyncio's own loop, also where uvloop is installed: measured with push (docs/results.md,
-# "httptools, and asyncio's loop rather than uvloop"), uvloop under the instances and the
-# router made the handoff 1-2 ms longer for no gain in CPU per token that httptools alone
-# does not give.
-UVICORN_LOOP = "asyncio"
-LISTEN_BACKLOG = 2048  # uvicorn's default; it keeps the backlog given here
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
 
@@ -334,59 +321,16 @@ def _listen(sock: socket.socket) -> bool:
 def _serve_http(
     async_engine: EngineHandle, cfg: ServerConfig, sock: socket.socket, log_level: str
 ) -> None:
-    """Serve the app on `sock` until SIGTERM/SIGINT, then return normally.
-
-    Shutdown: stop accepting, let running requests finish for `SHUTDOWN_GRACE_S`, then stop
-    the engine so the rest end with an explicit error (503 / an SSE error event) instead
-    of a cut connection. Stock uvicorn also re-raises the signal at the end, which would
-    kill the process before the engine is shut down; this server returns instead.
-    """
-    import uvicorn
-
+    """Serve the app on `sock` until SIGTERM/SIGINT, then return normally (pdserve.httpd:
+    running requests get `SHUTDOWN_GRACE_S`, then the engine is stopped so the rest end with
+    an explicit error instead of a cut connection)."""
     from pdserve.server.app import create_app
 
-    class Server(uvicorn.Server):
-        @contextlib.contextmanager
-        def capture_signals(self) -> Iterator[None]:
-            with _handled_signals(self.handle_exit):
-                yield
-
-        async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
-            drain = asyncio.ensure_future(super().shutdown(sockets))
-            await asyncio.wait({drain}, timeout=SHUTDOWN_GRACE_S)
-            if not drain.done():
-                log.warning("aborting the requests still running after %.0f s", SHUTDOWN_GRACE_S)
-                await asyncio.to_thread(async_engine.shutdown)
-            await drain
-
     app = create_app(async_engine, cfg)
-    # uvicorn's own deadline (it cancels handlers) only backs up the engine abort above.
-    config = uvicorn.Config(
-        app,
-        log_level=log_level,
-        timeout_graceful_shutdown=SHUTDOWN_GRACE_S + 5,
-        timeout_keep_alive=SERVER_KEEPALIVE_S,  # longer than clients keep theirs (see there)
-        loop=UVICORN_LOOP,
-        http=HeaderDeadlineProtocol,  # slow or silent headers are cut off
-    )
     host, port = sock.getsockname()[:2]
     url_host = f"[{host}]" if ":" in host else host
     log.info("serving %s at http://%s:%d/v1", app.state.serving.model_name, url_host, port)
-    quiet_polls()  # after uvicorn.Config, which configures its loggers
-    Server(config).run(sockets=[sock])
-
-
-@contextlib.contextmanager
-def _handled_signals(handler: Callable[[int, FrameType | None], None]) -> Iterator[None]:
-    if threading.current_thread() is not threading.main_thread():
-        yield  # signal handlers can only be set from the main thread
-        return
-    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for sig, old in previous.items():
-            signal.signal(sig, old)
+    serve_app(app, sock, log_level, grace_s=SHUTDOWN_GRACE_S, on_grace_over=async_engine.shutdown)
 
 
 def _positive_int(text: str) -> int:
