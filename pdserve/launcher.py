@@ -744,7 +744,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--router-log-level",
         choices=("critical", "error", "warning", "info", "debug"),
         help="the router's (default: info); debug logs its per-request handoff trace "
-        "(pdserve.transfer.hoptrace), like '-- --log-level debug' does for the instances",
+        "(pdserve.tracelog), like '-- --log-level debug' does for the instances",
     )
     parser.add_argument(
         "--log-dir",

@@ -39,7 +39,7 @@ from pdserve.engine.types import (
     LiveRequest,
     RequestOutput,
 )
-from pdserve.transfer.hoptrace import hop
+from pdserve.tracelog import hop
 from pdserve.transfer.params import KVTransferParams
 from pdserve.transfer.release import ReleaseAuth, check_release
 from pdserve.transfer.stats import ConnectorMetrics

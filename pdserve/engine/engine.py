@@ -40,6 +40,7 @@ from pdserve.kv.block_pool import BlockPool
 from pdserve.kv.cache import KVCache, num_blocks_for_budget
 from pdserve.model.loader import LoadedModel, load_model
 from pdserve.token_logprob import TokenLogprob
+from pdserve.tracelog import hop
 from pdserve.transfer.adapter import (
     EngineSide,
     Event,
@@ -49,7 +50,6 @@ from pdserve.transfer.adapter import (
     transfer_id_for,
 )
 from pdserve.transfer.errors import TransferCause, transfer_error
-from pdserve.transfer.hoptrace import hop
 from pdserve.transfer.params import (
     InstanceInfo,
     InstanceLimits,

@@ -22,7 +22,7 @@ from typing import Protocol
 from pdserve.engine.commands import Abort, Add, Command, Release, Stop
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.types import RequestOutput
-from pdserve.transfer.hoptrace import hop
+from pdserve.tracelog import hop
 
 
 class LoopIO(Protocol):

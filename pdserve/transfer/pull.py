@@ -35,6 +35,7 @@ import time
 import msgspec
 
 from pdserve.logsafe import shown
+from pdserve.tracelog import hop
 from pdserve.transfer import messages as m
 from pdserve.transfer.adapter import RemoteRequest
 from pdserve.transfer.connector import (
@@ -47,7 +48,6 @@ from pdserve.transfer.connector import (
     TransferError,
 )
 from pdserve.transfer.errors import TransferCause
-from pdserve.transfer.hoptrace import hop
 from pdserve.transfer.lanes import Lanes
 from pdserve.transfer.params import (
     InvalidKVTransferParams,

@@ -60,6 +60,7 @@ import msgspec
 
 from pdserve.logsafe import shown
 from pdserve.token_logprob import TokenLogprob
+from pdserve.tracelog import hop
 from pdserve.transfer import messages as m
 from pdserve.transfer.adapter import RemoteRequest
 from pdserve.transfer.connector import (
@@ -73,7 +74,6 @@ from pdserve.transfer.connector import (
 )
 from pdserve.transfer.descriptors import block_descriptors
 from pdserve.transfer.errors import TransferCause
-from pdserve.transfer.hoptrace import hop
 from pdserve.transfer.lanes import Lanes
 from pdserve.transfer.messages import PushFailCause as Why
 from pdserve.transfer.params import KVTransferParams

@@ -40,7 +40,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(REPO))
 from pdserve.ports import free_port  # noqa: E402
-from pdserve.transfer.hoptrace import parse_hop_line  # noqa: E402
+from pdserve.tracelog import parse_hop_line  # noqa: E402
 
 PY = str(REPO / ".venv/bin/python")
 MODES = {
