@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from pdserve.faults import NO_FAULTS, Faults
 from pdserve.options import from_flag, option, port_number, positive_float, positive_int
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
@@ -156,9 +157,7 @@ class EngineConfig:
         parse=positive_int,
         help="torch intra-op threads (default: torch's choice)",
     )
-    # Test/bench knob (`serve --fault-step-delay-ms`, hidden): sleep this long in every step,
-    # to make one instance of a cluster slow for routing benchmarks and tests.
-    fault_step_delay_s: float = 0.0
+    faults: Faults = NO_FAULTS  # tests only (pdserve.faults): reads `step_delay_s`
 
 
 @dataclass(frozen=True)
@@ -296,9 +295,6 @@ class ConnectorConfig:
         help="push: write a prompt's KV in one go after prefill instead of layer by "
         "layer as each layer finishes",
     )
-    # D, pull: claim and READ on the engine thread, stalling every running stream meanwhile
-    # (the classic pull that push is measured against); default: one reader lane per P.
-    pull_on_engine_loop: bool = False
     heartbeat_s: float = 0.5  # D pings the prefill instances it waits on this often
     heartbeat_misses: int = 6  # a peer silent this many periods is declared down
     registration_ttl_s: float = 30.0  # P drops a registration with no prompt alive after this
@@ -366,8 +362,4 @@ class ConnectorConfig:
         help="decode: seconds legs naming an address given up on fail at once, without dialing "
         "(default: %(default)s)",
     )
-    # Tests force an arrival order with these: D delays its registration; P delays handing
-    # a finished prompt to the writer.
-    push_register_delay_s: float = 0.0
-    push_finish_delay_s: float = 0.0
-    fault_transfer_every: int = 0  # tests: every Nth transfer this instance posts fails
+    faults: Faults = NO_FAULTS  # tests only (pdserve.faults): the transfer faults

@@ -16,8 +16,8 @@ import pytest
 from pdserve import __version__
 from pdserve.cli import parse_args
 from pdserve.config import ConnectorConfig
+from pdserve.httpd.protocol import PollFilter
 from pdserve.options import from_args
-from pdserve.server.http_protocol import PollFilter
 from pdserve.server.serve import configs_from_args
 
 

@@ -119,8 +119,8 @@ from pdserve.router.upstream import (
 )
 from pdserve.server.errors import APIError
 from pdserve.sse import data_event_bytes
+from pdserve.tracelog import hop
 from pdserve.transfer.cluster_auth import LEG_SIGNATURE_HEADER, sign_leg
-from pdserve.transfer.hoptrace import hop
 from pdserve.transfer.params import InvalidKVTransferParams
 from pdserve.transfer.release import RELEASE_PATH, SIGNATURE_HEADER, release_signature
 

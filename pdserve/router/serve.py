@@ -7,21 +7,19 @@ import logging
 import socket
 from dataclasses import dataclass
 
-import uvicorn
-
 from pdserve.config import LogLevel
-from pdserve.keepalive import SERVER_KEEPALIVE_S
+from pdserve.httpd.bootstrap import LISTEN_BACKLOG, serve_app
 from pdserve.options import add_options, from_args, option
 from pdserve.ports import EXIT_ADDRESS_IN_USE, bind_socket, is_address_in_use
 from pdserve.router.app import create_app
 from pdserve.router.config import RouterConfig
 from pdserve.router.membership import MembershipSource
 from pdserve.server.exposure import router_warning
-from pdserve.server.http_protocol import HeaderDeadlineProtocol, quiet_polls
-from pdserve.server.serve import LISTEN_BACKLOG, UVICORN_LOOP
 from pdserve.transfer.release import token_from_env
 
 log = logging.getLogger(__name__)
+
+SHUTDOWN_GRACE_S = 5.0  # open client streams get this long on SIGTERM/SIGINT
 
 
 @dataclass(frozen=True)
@@ -84,19 +82,9 @@ def serve_on(
     access_log: bool = False,
     membership: MembershipSource | None = None,
 ) -> None:
-    """Serve the router app on a listening `sock` until uvicorn stops (a signal in the main
-    thread; `pdserve.cluster` runs it in an actor's thread, with a membership source)."""
-    server = uvicorn.Server(
-        uvicorn.Config(
-            create_app(config, membership),
-            log_level=log_level,
-            access_log=access_log,
-            # Open client streams must not hold a shutdown (Ctrl-C, `pdserve up` stopping) long.
-            timeout_graceful_shutdown=5,
-            timeout_keep_alive=SERVER_KEEPALIVE_S,  # longer than clients keep theirs
-            loop=UVICORN_LOOP,
-            http=HeaderDeadlineProtocol,  # slow or silent headers are cut off
-        )
-    )
-    quiet_polls()  # after uvicorn.Config, which configures its loggers
-    server.run(sockets=[sock])
+    """Serve the router app on a listening `sock` until SIGTERM/SIGINT (main thread only;
+    `pdserve.cluster` runs it in an actor's thread, with a membership source), then return.
+    Open client streams must not hold a shutdown (Ctrl-C, `pdserve up` stopping) long: they
+    get `SHUTDOWN_GRACE_S` (pdserve.httpd)."""
+    app = create_app(config, membership)
+    serve_app(app, sock, log_level, grace_s=SHUTDOWN_GRACE_S, access_log=access_log)

@@ -54,8 +54,8 @@ from pdserve.server.serving import (
 )
 from pdserve.server.transfers import TransferClaim, TransferGate
 from pdserve.sse import data_event
+from pdserve.tracelog import hop
 from pdserve.transfer.cluster_auth import LEG_SIGNATURE_HEADER
-from pdserve.transfer.hoptrace import hop
 from pdserve.transfer.metrics import ConnectorCollector
 from pdserve.transfer.release import ReleaseAuth, release_signature
 

@@ -11,22 +11,17 @@ This module is imported by `pdserve --help`, so it imports nothing heavy at modu
 from __future__ import annotations
 
 import argparse
-import asyncio
-import contextlib
 import logging
 import os
-import signal
 import socket
-import threading
-from collections.abc import Callable, Iterator
-from types import FrameType
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from pdserve.config import API_KEY_ENV, ConnectorConfig, EngineConfig, ServerConfig, TransportConfig
-from pdserve.keepalive import SERVER_KEEPALIVE_S
+from pdserve.faults import NO_FAULTS, Faults
+from pdserve.httpd.bootstrap import LISTEN_BACKLOG, serve_app
 from pdserve.ports import EXIT_ADDRESS_IN_USE, bind_socket, is_address_in_use
 from pdserve.server.exposure import serve_warning
-from pdserve.server.http_protocol import HeaderDeadlineProtocol, quiet_polls
 from pdserve.server.serve_args import (
     ServeProcess,
     add_arguments,
@@ -45,16 +40,11 @@ __all__ = ["API_KEY_ENV", "add_arguments", "check_args", "configs_from_args", "m
 log = logging.getLogger("pdserve.serve")
 
 SHUTDOWN_GRACE_S = 5.0  # in-flight requests get this long to finish on SIGTERM
-# asyncio's own loop, also where uvloop is installed: measured with push (docs/results.md,
-# "httptools, and asyncio's loop rather than uvloop"), uvloop under the instances and the
-# router made the handoff 1-2 ms longer for no gain in CPU per token that httptools alone
-# does not give.
-UVICORN_LOOP = "asyncio"
-LISTEN_BACKLOG = 2048  # uvicorn's default; it keeps the backlog given here
 
 
-def main(args: argparse.Namespace) -> int:
-    """Run one instance until SIGTERM/SIGINT; returns the exit status."""
+def main(args: argparse.Namespace, faults: Faults = NO_FAULTS) -> int:
+    """Run one instance until SIGTERM/SIGINT; returns the exit status. `faults`: what a test
+    breaks in it (pdserve.faults; tests/fault_serve.py), never set from a flag."""
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
@@ -62,6 +52,7 @@ def main(args: argparse.Namespace) -> int:
         return vllm_serve.main(args)
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # NIXL logs INFO to stdout otherwise
     engine_cfg, server_cfg = configs_from_args(args)
+    engine_cfg = replace(engine_cfg, faults=faults)
     proc = process_from_args(args)
     if warning := serve_warning(args.role, args.host, args.kv_host, args.cluster_token):
         log.warning("%s", warning)
@@ -74,7 +65,7 @@ def main(args: argparse.Namespace) -> int:
         return EXIT_ADDRESS_IN_USE if is_address_in_use(exc) else 1
     with sock:
         log.info("loading %s", engine_cfg.model.model)
-        engine = _start_engine(proc, engine_cfg, args)
+        engine = _start_engine(proc, engine_cfg, args, faults)
         if isinstance(engine, int):
             return engine
         try:
@@ -88,7 +79,7 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _start_engine(
-    proc: ServeProcess, cfg: EngineConfig, args: argparse.Namespace
+    proc: ServeProcess, cfg: EngineConfig, args: argparse.Namespace, faults: Faults
 ) -> EngineHandle | int:
     """The running engine (in a thread, or with `--engine-process` in a child process), or
     the exit status if it cannot be built (logged): 2 for flags that cannot work, 98 for a
@@ -100,6 +91,8 @@ def _start_engine(
 
     try:
         pd = pd_configs_from_args(args)
+        if pd is not None:  # the transfer faults a test asked for (pdserve.faults)
+            pd = (replace(pd[0], faults=faults), pd[1])
         if proc.engine_process:
             return _engine_process(cfg, pd, proc.log_level)
         return _engine_thread(cfg, pd)
@@ -156,56 +149,13 @@ def _listen(sock: socket.socket) -> bool:
 def _serve_http(
     async_engine: EngineHandle, cfg: ServerConfig, sock: socket.socket, log_level: str
 ) -> None:
-    """Serve the app on `sock` until SIGTERM/SIGINT, then return normally.
-
-    Shutdown: stop accepting, let running requests finish for `SHUTDOWN_GRACE_S`, then stop
-    the engine so the rest end with an explicit error (503 / an SSE error event) instead
-    of a cut connection. Stock uvicorn also re-raises the signal at the end, which would
-    kill the process before the engine is shut down; this server returns instead.
-    """
-    import uvicorn
-
+    """Serve the app on `sock` until SIGTERM/SIGINT, then return normally (pdserve.httpd:
+    running requests get `SHUTDOWN_GRACE_S`, then the engine is stopped so the rest end with
+    an explicit error instead of a cut connection)."""
     from pdserve.server.app import create_app
 
-    class Server(uvicorn.Server):
-        @contextlib.contextmanager
-        def capture_signals(self) -> Iterator[None]:
-            with _handled_signals(self.handle_exit):
-                yield
-
-        async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
-            drain = asyncio.ensure_future(super().shutdown(sockets))
-            await asyncio.wait({drain}, timeout=SHUTDOWN_GRACE_S)
-            if not drain.done():
-                log.warning("aborting the requests still running after %.0f s", SHUTDOWN_GRACE_S)
-                await asyncio.to_thread(async_engine.shutdown)
-            await drain
-
     app = create_app(async_engine, cfg)
-    # uvicorn's own deadline (it cancels handlers) only backs up the engine abort above.
-    config = uvicorn.Config(
-        app,
-        log_level=log_level,
-        timeout_graceful_shutdown=SHUTDOWN_GRACE_S + 5,
-        timeout_keep_alive=SERVER_KEEPALIVE_S,  # longer than clients keep theirs (see there)
-        loop=UVICORN_LOOP,
-        http=HeaderDeadlineProtocol,  # slow or silent headers are cut off
-    )
     host, port = sock.getsockname()[:2]
     url_host = f"[{host}]" if ":" in host else host
     log.info("serving %s at http://%s:%d/v1", app.state.serving.model_name, url_host, port)
-    quiet_polls()  # after uvicorn.Config, which configures its loggers
-    Server(config).run(sockets=[sock])
-
-
-@contextlib.contextmanager
-def _handled_signals(handler: Callable[[int, FrameType | None], None]) -> Iterator[None]:
-    if threading.current_thread() is not threading.main_thread():
-        yield  # signal handlers can only be set from the main thread
-        return
-    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for sig, old in previous.items():
-            signal.signal(sig, old)
+    serve_app(app, sock, log_level, grace_s=SHUTDOWN_GRACE_S, on_grace_over=async_engine.shutdown)

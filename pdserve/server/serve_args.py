@@ -66,9 +66,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_options(parser, ServeProcess, only=("engine_process",))
     add_options(parser, ServerConfig, only=("host", "port", "api_key"))
     add_options(parser, ServeProcess, only=("log_level",))
-    # Test/bench knob, hidden from --help: sleep this long in every engine step, so that one
-    # instance of a cluster is slow (routing benchmarks and tests; docs/router.md).
-    parser.add_argument("--fault-step-delay-ms", type=float, default=0.0, help=argparse.SUPPRESS)
     parser.epilog = (
         "Requests: /v1/completions defaults to max_tokens=16; /v1/chat/completions without "
         "max_tokens may generate up to the rest of the context. Extensions to OpenAI's "
@@ -95,17 +92,7 @@ def _add_pd_arguments(parser: argparse.ArgumentParser) -> None:
     add_options(g, ConnectorConfig, only=("lease_s", "recv_timeout_s"))
     add_options(g, TransportConfig, only=("timeout_s",))
     add_options(g, ConnectorConfig, only=("push_layerwise",))
-    g.add_argument(
-        "--pull-read-on-engine-loop",
-        action="store_true",
-        help="pull, decode: run the claim and the READ in the engine loop, so every running "
-        "stream waits for them, as classic pull does; only to measure what push and "
-        "pdserve's reader threads save (default: a reader thread per prefill instance)",
-    )
     add_options(g, ConnectorConfig, only=_LIMITS)
-    g.add_argument("--push-register-delay", type=float, default=0.0, help=argparse.SUPPRESS)
-    g.add_argument("--push-finish-delay", type=float, default=0.0, help=argparse.SUPPRESS)
-    g.add_argument("--fault-transfer-every", type=int, default=0, help=argparse.SUPPRESS)
 
 
 def check_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
@@ -121,7 +108,6 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
         model=from_args(ModelConfig, args),
         cache=from_args(CacheConfig, args),
         scheduler=from_args(SchedulerConfig, args),
-        fault_step_delay_s=max(0.0, args.fault_step_delay_ms) / 1000.0,
     )
     # The connector's token (flag or $PDSERVE_CLUSTER_TOKEN): the front end checks legs and
     # routes for routers with it. A monolithic instance has no connector to guard.
@@ -150,9 +136,5 @@ def pd_configs_from_args(
         args,
         engine_id=args.engine_id or f"{args.role}-{secrets.token_hex(4)}",
         side_advertise_host=advertise,
-        push_register_delay_s=args.push_register_delay,
-        push_finish_delay_s=args.push_finish_delay,
-        fault_transfer_every=args.fault_transfer_every,
-        pull_on_engine_loop=args.pull_read_on_engine_loop,
     )
     return connector, from_args(TransportConfig, args, advertise_host=advertise)

@@ -39,7 +39,7 @@ def build_factory(ccfg: ConnectorConfig, tcfg: TransportConfig):
         from pdserve.transfer.pull import PullConnector
         from pdserve.transfer.push import PushConnector
 
-        transport = open_kv_transport(tcfg, ccfg.engine_id, kv, ccfg.fault_transfer_every)
+        transport = open_kv_transport(tcfg, ccfg.engine_id, kv, ccfg.faults.fail_transfer_every)
         cls = PushConnector if ccfg.mode == "push" else PullConnector
         return cls(ccfg, kv, engine, compat_of(kv, loaded), transport)
 
