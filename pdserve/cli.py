@@ -43,7 +43,7 @@ BENCH_COMMANDS: tuple[tuple[str, str, str], ...] = (
 
 # Packages only the tools need, by the extra that installs them (pyproject.toml): the serving
 # commands (serve, router, up) never import them.
-TOOL_EXTRAS: dict[str, str] = {"matplotlib": "bench", "tqdm": "bench", "httpx_sse": "bench"}
+TOOL_EXTRAS: dict[str, str] = {"matplotlib": "bench", "tqdm": "bench"}
 
 
 class MissingExtra(SystemExit):

@@ -50,14 +50,9 @@ Restarts: each P/D instance gets fixed HTTP and side-channel ports, so
 where routers and peers look for it, as a new incarnation. `respawn(name)` does the same
 for an instance or the router without waiting for health; the router keeps its port too.
 
-Supervision (`pdserve up`): after the start, `main` hands the cluster to a
-`pdserve.supervisor.Supervisor`, which restarts any child that dies (with backoff, giving up
-after `--max-restarts` failures within `--restart-window`) and prints a status line for
-each restart and return. `up` ends with exit status 1 only once the cluster cannot serve
-(router, every decode instance or the monolithic instance given up); Ctrl-C or SIGTERM
-stops every child by PID, one being restarted included: once the cluster is supervised, a
-signal only asks the supervisor's loop to return (`_StopRequest`), so it never interrupts a
-restart between the child's start and its recording.
+Supervision: `pdserve up` on one host (pdserve.cluster.local_up, above this module and
+pdserve.supervisor) hands the started cluster to a `pdserve.supervisor.Supervisor`, which
+restarts any child that dies.
 """
 
 from __future__ import annotations
@@ -72,30 +67,25 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
 
 import httpx
 
+from pdserve.config import API_KEY_ENV, TOKEN_ENV, LogLevel, Role, TransferMode, TransportKind
 from pdserve.logdir import LogDirError, private_dir, private_file
+from pdserve.options import add_options, from_args, option
 from pdserve.ports import EXIT_ADDRESS_IN_USE, free_ports, listens
-from pdserve.restarts import GiveUp, RestartPolicy
-from pdserve.router.config import POLICY_NAMES
-from pdserve.server.exposure import up_warning
-from pdserve.vllm.instance import CONNECTORS, ENGINES, Connector, Engine
-
-if TYPE_CHECKING:
-    from pdserve.supervisor import Event, Supervisor
+from pdserve.restarts import SUPERVISION_GROUP, RestartPolicy
+from pdserve.router.config import PolicyName
+from pdserve.vllm.instance import Connector, Engine
 
 log = logging.getLogger(__name__)
 
-InstanceRole = Literal["prefill", "decode", "both"]
+InstanceRole = Role
 _LOG_TAIL_LINES = 30
-TOKEN_ENV = "PDSERVE_CLUSTER_TOKEN"  # what `pdserve serve` reads (pdserve.transfer.factory)
 TOKEN_FILE = "cluster-token"
 START_ATTEMPTS = 3  # cluster starts tried when a child's port was taken (see ClusterError)
 
@@ -113,33 +103,105 @@ class ClusterError(RuntimeError):
         self.port_in_use = port_in_use
 
 
+def _core_list(text: str) -> tuple[int, ...]:
+    try:
+        cores = tuple(int(c) for c in text.split(",") if c.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a comma-separated list of cores: {text!r}") from None
+    if not cores or min(cores) < 0:
+        raise argparse.ArgumentTypeError(f"not a list of core numbers: {text!r}")
+    return cores
+
+
 @dataclass(frozen=True)
 class ClusterConfig:
     """What `pdserve up` starts. `kv_transfer=None` means monolithic (one instance)."""
 
-    kv_transfer: Literal["pull", "push"] | None = "push"
-    num_prefill: int = 1
-    num_decode: int = 1
-    transport: Literal["tcp", "nixl"] = "tcp"
-    engine: Engine = "pdserve"  # the instances' (module doc)
-    connector: Connector = "pdserve"  # with engine "vllm": whose KV connector vLLM runs
-    vllm_python: str | None = None  # with engine "vllm": None, `pdserve serve`'s default
-    model: str | None = None  # None: the instances' default model
-    host: str = "127.0.0.1"  # where the router (or the monolithic instance) listens
-    port: int | None = None  # its port; None: a free one
-    policy: str = "round_robin"
-    api_key: str | None = None  # given to every child as PDSERVE_API_KEY
-    cluster_token: str | None = None  # None: $PDSERVE_CLUSTER_TOKEN, else a random one
-    request_timeout_s: float | None = None  # the router's; None: its default
-    local_prefill_below: int | None = None  # the router's; None: its default (64)
-    router_log_level: str | None = None  # the router's; None: its default (info)
-    log_dir: Path | None = None  # None: a new temporary directory
+    # `--kv-transfer` is one of two flags of which `up` needs one (`--monolithic` the other).
+    kv_transfer: TransferMode | None = option(
+        "push", flag_default=None, required=False, help="P/D transfer mode"
+    )
+    num_prefill: int = option(1, flag="--prefill", metavar="N", help="prefill instances")
+    num_decode: int = option(1, flag="--decode", metavar="M", help="decode instances")
+    transport: TransportKind = option(
+        "tcp", help="the instances' KV transport (default: %(default)s)"
+    )
+    engine: Engine = option(  # the instances' (module doc)
+        "pdserve",
+        help="the instances' engine: pdserve's, or vLLM's OpenAI server (needs a Hugging "
+        "Face --model directory and a vLLM python) (default: %(default)s)",
+    )
+    connector: Connector = option(  # with engine "vllm": whose KV connector vLLM runs
+        "pdserve",
+        help="--engine vllm: pdserve's KV transfer inside vLLM (with --transport), or vLLM's "
+        "own NixlConnector (pull) / NixlPushConnector (push) (default: %(default)s)",
+    )
+    vllm_python: str | None = option(  # with engine "vllm": None, `pdserve serve`'s default
+        None,
+        metavar="PATH",
+        help="--engine vllm: python of a venv with vLLM (default: `pdserve serve`'s)",
+    )
+    model: str | None = option(  # None: the instances' default model
+        None, help="passed to every instance (default: theirs)"
+    )
+    host: str = option(  # where the router (or the monolithic instance) listens
+        "127.0.0.1", help="where the router listens"
+    )
+    port: int | None = option(  # its port; None: a free one
+        None, flag_default=8000, help="the router's port"
+    )
+    policy: PolicyName = option(
+        "round_robin",
+        help="the router's choice of instance (docs/router.md; default: %(default)s)",
+    )
+    api_key: str | None = option(  # given to every child as PDSERVE_API_KEY
+        None,
+        env=API_KEY_ENV,
+        help=f"cluster API key, given to every process (default: ${API_KEY_ENV})",
+    )
+    cluster_token: str | None = option(  # None: $PDSERVE_CLUSTER_TOKEN, else a random one
+        None,
+        env=TOKEN_ENV,
+        help="shared secret of the instances' side channels and transports (default: "
+        f"${TOKEN_ENV}, else a random one, written to <log dir>/{TOKEN_FILE})",
+    )
+    request_timeout_s: float | None = option(  # the router's; None: its default
+        None, flag="--request-timeout", metavar="S", help="the router's"
+    )
+    local_prefill_below: int | None = option(  # the router's; None: its default (64)
+        None,
+        metavar="N",
+        help="the router prefills prompts under N tokens on the decode instance, skipping the "
+        "transfer (0: never; default: the router's, 64)",
+    )
+    router_log_level: LogLevel | None = option(  # the router's; None: its default (info)
+        None,
+        help="the router's (default: info); debug logs its per-request handoff trace "
+        "(pdserve.tracelog), like '-- --log-level debug' does for the instances",
+    )
+    log_dir: Path | None = option(  # None: a new temporary directory
+        None,
+        help="one log file per process and the cluster token; created with mode 0700, or an "
+        "existing folder of yours that nobody else may access (default: a temporary folder, "
+        "deleted on a clean exit unless --keep-logs)",
+    )
     instance_args: tuple[str, ...] = ()  # appended to every instance's command line
-    pin_cores: bool = True
+    pin_cores: bool = option(True, flag="--no-pin", help="do not pin instances to cores")
     # The cores the cluster may use (shared out as above); None: the launcher's own affinity.
     # `(0,)` with `kv_transfer=None` is the one-core monolithic baseline, P's compute alone.
-    cores: tuple[int, ...] | None = None
-    startup_timeout_s: float = 300.0
+    cores: tuple[int, ...] | None = option(
+        None,
+        parse=_core_list,
+        metavar="LIST",
+        help="use only these cores, shared out as without it, e.g. '0' or '0,1' (default: all "
+        "this process may use); '--monolithic --cores 0' is the one-core baseline",
+    )
+    startup_timeout_s: float = option(
+        300.0,
+        flag="--startup-timeout",
+        metavar="S",
+        help="how long a start (or a restart) may take to become healthy (default: %(default)s)",
+    )
     stop_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
@@ -161,7 +223,7 @@ class InstanceSpec:
     index: int
     host: str
     port: int
-    kv_transfer: Literal["pull", "push"] | None
+    kv_transfer: TransferMode | None
     transport: str
     model: str | None
     cores: tuple[int, ...] | None  # pinned to these; None: unpinned
@@ -691,110 +753,33 @@ def is_healthy(client: httpx.Client, p: ManagedProcess) -> bool:
 # -- the `pdserve up` command ---------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class UpProcess:
+    """What `pdserve up` itself does after the cluster stops (`main` reads the flag's
+    namespace attribute, `keep_logs`)."""
+
+    keep_logs: bool = option(
+        False,
+        help="keep the temporary log folder after a clean exit (it is always kept after a "
+        "failure, and a --log-dir is never deleted)",
+    )
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Flags of `pdserve up`; everything after `--` goes to every instance."""
+    """Flags of `pdserve up` (declared on `ClusterConfig`, `UpProcess` and `RestartPolicy`);
+    everything after `--` goes to every instance."""
     mode = parser.add_mutually_exclusive_group(required=True)
-    mode.add_argument("--kv-transfer", choices=("pull", "push"), help="P/D transfer mode")
+    add_options(mode, ClusterConfig, only=("kv_transfer",))
     mode.add_argument(
         "--monolithic",
         action="store_true",
         help="one --role both instance and no router (the baseline)",
     )
-    parser.add_argument("--prefill", type=int, default=1, metavar="N", help="prefill instances")
-    parser.add_argument("--decode", type=int, default=1, metavar="M", help="decode instances")
-    parser.add_argument("--transport", choices=("tcp", "nixl"), default="tcp")
-    parser.add_argument(
-        "--engine",
-        choices=ENGINES,
-        default="pdserve",
-        help="the instances' engine: pdserve's, or vLLM's OpenAI server (needs a Hugging "
-        "Face --model directory and a vLLM python) (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--connector",
-        choices=CONNECTORS,
-        default="pdserve",
-        help="--engine vllm: pdserve's KV transfer inside vLLM (with --transport), or vLLM's "
-        "own NixlConnector (pull) / NixlPushConnector (push) (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--vllm-python",
-        metavar="PATH",
-        help="--engine vllm: python of a venv with vLLM (default: `pdserve serve`'s)",
-    )
-    parser.add_argument("--model", help="passed to every instance (default: theirs)")
-    parser.add_argument("--host", default="127.0.0.1", help="where the router listens")
-    parser.add_argument("--port", type=int, default=8000, help="the router's port")
-    parser.add_argument(
-        "--policy",
-        choices=POLICY_NAMES,
-        default="round_robin",
-        help="the router's choice of instance (docs/router.md; default: %(default)s)",
-    )
-    parser.add_argument(
-        "--local-prefill-below",
-        type=int,
-        metavar="N",
-        help="the router prefills prompts under N tokens on the decode instance, skipping the "
-        "transfer (0: never; default: the router's, 64)",
-    )
-    parser.add_argument(
-        "--api-key",
-        default=os.environ.get("PDSERVE_API_KEY"),
-        help="cluster API key, given to every process (default: $PDSERVE_API_KEY)",
-    )
-    parser.add_argument(
-        "--cluster-token",
-        default=os.environ.get(TOKEN_ENV),
-        help="shared secret of the instances' side channels and transports (default: "
-        f"${TOKEN_ENV}, else a random one, written to <log dir>/{TOKEN_FILE})",
-    )
-    parser.add_argument("--request-timeout", type=float, metavar="S", help="the router's")
-    parser.add_argument(
-        "--router-log-level",
-        choices=("critical", "error", "warning", "info", "debug"),
-        help="the router's (default: info); debug logs its per-request handoff trace "
-        "(pdserve.transfer.hoptrace), like '-- --log-level debug' does for the instances",
-    )
-    parser.add_argument(
-        "--log-dir",
-        type=Path,
-        help="one log file per process and the cluster token; created with mode 0700, or an "
-        "existing folder of yours that nobody else may access (default: a temporary folder, "
-        "deleted on a clean exit unless --keep-logs)",
-    )
-    parser.add_argument(
-        "--keep-logs",
-        action="store_true",
-        help="keep the temporary log folder after a clean exit (it is always kept after a "
-        "failure, and a --log-dir is never deleted)",
-    )
-    parser.add_argument("--no-pin", action="store_true", help="do not pin instances to cores")
-    parser.add_argument(
-        "--cores",
-        type=_core_list,
-        metavar="LIST",
-        help="use only these cores, shared out as without it, e.g. '0' or '0,1' (default: all "
-        "this process may use); '--monolithic --cores 0' is the one-core baseline",
-    )
-    parser.add_argument(
-        "--startup-timeout",
-        type=float,
-        default=300.0,
-        metavar="S",
-        help="how long a start (or a restart) may take to become healthy (default: %(default)s)",
-    )
-    _add_restart_arguments(parser)
-    parser.add_argument(
-        "instance_args", nargs=argparse.REMAINDER, help="-- then extra arguments for every instance"
-    )
-
-
-def _add_restart_arguments(parser: argparse.ArgumentParser) -> None:
-    """The supervision flags: a child that dies is started again on its ports."""
-    d = RestartPolicy()
-    group = parser.add_argument_group(
-        "supervision",
+    add_options(parser, ClusterConfig, only=_CLUSTER_FLAGS)
+    add_options(parser, UpProcess)
+    add_options(parser, ClusterConfig, only=("pin_cores", "cores", "startup_timeout_s"))
+    parser.add_argument_group(
+        SUPERVISION_GROUP,
         "A process that dies (prefill, decode or router) is started again on the same ports, "
         "after a backoff that doubles from --restart-backoff up to --restart-backoff-max; the "
         "others keep serving meanwhile. After more than --max-restarts failures within "
@@ -802,55 +787,36 @@ def _add_restart_arguments(parser: argparse.ArgumentParser) -> None:
         "on (the router prefills on the decode instances); without the router, any decode "
         "instance or (--monolithic) the instance it stops, with exit status 1.",
     )
-    group.add_argument(
-        "--max-restarts",
-        type=int,
-        default=d.max_restarts,
-        metavar="N",
-        help="restarts of one process allowed within the window (0: never restart; "
-        "default: %(default)s)",
+    add_options(parser, RestartPolicy)
+    parser.add_argument(
+        "instance_args", nargs=argparse.REMAINDER, help="-- then extra arguments for every instance"
     )
-    group.add_argument(
-        "--restart-window",
-        type=float,
-        default=d.window_s,
-        metavar="S",
-        help="seconds over which a process's failures are counted (default: %(default)s)",
-    )
-    group.add_argument(
-        "--restart-backoff",
-        type=float,
-        default=d.backoff_s,
-        metavar="S",
-        help="delay before the first restart within the window (default: %(default)s)",
-    )
-    group.add_argument(
-        "--restart-backoff-max",
-        type=float,
-        default=d.backoff_max_s,
-        metavar="S",
-        help="the doubling delay stops here (default: %(default)s)",
-    )
+
+
+# ClusterConfig's flags listed between the mode and `--keep-logs`, in `--help`'s order.
+_CLUSTER_FLAGS = (
+    "num_prefill",
+    "num_decode",
+    "transport",
+    "engine",
+    "connector",
+    "vllm_python",
+    "model",
+    "host",
+    "port",
+    "policy",
+    "local_prefill_below",
+    "api_key",
+    "cluster_token",
+    "request_timeout_s",
+    "router_log_level",
+    "log_dir",
+)
 
 
 def restart_policy_from_args(args: argparse.Namespace) -> RestartPolicy:
     """The `RestartPolicy` of parsed `pdserve up` arguments (ValueError if inconsistent)."""
-    return RestartPolicy(
-        max_restarts=args.max_restarts,
-        window_s=args.restart_window,
-        backoff_s=args.restart_backoff,
-        backoff_max_s=args.restart_backoff_max,
-    )
-
-
-def _core_list(text: str) -> tuple[int, ...]:
-    try:
-        cores = tuple(int(c) for c in text.split(",") if c.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a comma-separated list of cores: {text!r}") from None
-    if not cores or min(cores) < 0:
-        raise argparse.ArgumentTypeError(f"not a list of core numbers: {text!r}")
-    return cores
+    return from_args(RestartPolicy, args)
 
 
 def config_from_args(args: argparse.Namespace) -> ClusterConfig:
@@ -858,145 +824,11 @@ def config_from_args(args: argparse.Namespace) -> ClusterConfig:
     extra = list(args.instance_args)
     if extra[:1] == ["--"]:
         extra = extra[1:]
-    return ClusterConfig(
+    return from_args(
+        ClusterConfig,
+        args,
         kv_transfer=None if args.monolithic else args.kv_transfer,
-        num_prefill=args.prefill,
-        num_decode=args.decode,
-        transport=args.transport,
-        engine=args.engine,
-        connector=args.connector,
-        vllm_python=args.vllm_python,
-        model=args.model,
-        host=args.host,
-        port=args.port,
-        policy=args.policy,
         api_key=args.api_key or None,
         cluster_token=args.cluster_token or None,
-        request_timeout_s=args.request_timeout,
-        local_prefill_below=args.local_prefill_below,
-        router_log_level=args.router_log_level,
-        log_dir=args.log_dir,
         instance_args=tuple(extra),
-        pin_cores=not args.no_pin,
-        cores=args.cores,
-        startup_timeout_s=args.startup_timeout,
     )
-
-
-def main(args: argparse.Namespace) -> int:
-    """Start the cluster, print where it is, and supervise it (restarting children that die)
-    until Ctrl-C or SIGTERM, or until it cannot serve any more (exit status 1)."""
-    # Imported here: the supervisor is built on this module's `Cluster`.
-    from pdserve.supervisor import Supervisor
-
-    logging.basicConfig(level=logging.INFO, format="pdserve up: %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per health poll otherwise
-    try:
-        policy = restart_policy_from_args(args)
-    except ValueError as exc:
-        print(f"pdserve up: {exc}", file=sys.stderr, flush=True)
-        return 2
-    cluster = Cluster(config_from_args(args))
-    if warning := up_warning(cluster.config.host, cluster.config.api_key):
-        log.warning("WARNING: %s", warning)  # this format shows no level name
-    stop = _StopRequest()
-    previous = {s: signal.signal(s, stop.on_signal) for s in _STOP_SIGNALS}
-    status = 1
-    try:
-        print(f"pdserve up: starting; logs in {cluster.log_dir}", flush=True)
-        supervisor = lambda: Supervisor(cluster, policy, on_event=_printer(cluster))  # noqa: E731
-        status = _run(cluster, supervisor, stop)
-        return status
-    finally:
-        cluster.stop()
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-        _after_stop(cluster, status, keep_logs=args.keep_logs)
-
-
-def _run(cluster: Cluster, supervisor: Callable[[], Supervisor], stop: _StopRequest) -> int:
-    """Start, then supervise until told to stop (0) or the cluster cannot serve (1). The
-    supervisor is made once the cluster has started: it watches the children it finds."""
-    try:
-        cluster.start()
-        _print_summary(cluster, cluster.write_token_file())
-        stop.supervising = True
-        if supervisor().run(stop.requested) is not None:
-            return 1  # the cluster cannot serve any more (the supervisor said why)
-        print("pdserve up: stopping", flush=True)
-        return 0
-    except KeyboardInterrupt:
-        print("pdserve up: stopping", flush=True)
-        return 0
-    except ClusterError as exc:
-        print(f"pdserve up: {exc}", file=sys.stderr, flush=True)
-        return 1
-
-
-def _printer(cluster: Cluster) -> Callable[[Event], None]:
-    return lambda event: _print_event(cluster, event)
-
-
-def _after_stop(cluster: Cluster, status: int, keep_logs: bool) -> None:
-    """A clean exit deletes the temporary log folder (unless kept); a failure keeps it."""
-    if status == 0 and not keep_logs and cluster.remove_log_dir():
-        print("pdserve up: stopped; logs removed (--keep-logs keeps them)", flush=True)
-    elif cluster.log_dir.exists():
-        print(f"pdserve up: stopped; logs in {cluster.log_dir}", flush=True)
-
-
-_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-
-
-class _StopRequest:
-    """What Ctrl-C, SIGTERM and SIGHUP do in `pdserve up` (owned by `main`): while the
-    cluster starts, raise KeyboardInterrupt (`Cluster.start` stops what it started); once it
-    is supervised, set `requested`, which ends the supervisor's loop between two steps, so
-    that a child being restarted is always recorded where `Cluster.stop` finds it."""
-
-    def __init__(self) -> None:
-        self.requested = threading.Event()
-        self.supervising = False
-
-    def on_signal(self, signum: int, frame: object) -> None:
-        if not self.supervising:
-            raise KeyboardInterrupt(signal.Signals(signum).name)
-        self.requested.set()
-
-
-def _print_summary(cluster: Cluster, token_path: Path) -> None:
-    c = cluster.config
-    what = "monolithic" if c.monolithic else f"kv-transfer {c.kv_transfer}, policy {c.policy}"
-    if c.engine == "vllm":
-        what += ", engine vllm" + ("" if c.monolithic else f", connector {c.connector}")
-    print(f"\npdserve up: ready ({what})\n  URL      {cluster.router_url}", flush=True)
-    for p in cluster.processes:
-        print(_status_row(p))
-    print(f"  cluster token in {token_path}", flush=True)
-    print("Ctrl-C stops everything.", flush=True)
-
-
-def _status_row(p: ManagedProcess) -> str:
-    """One process's line of the status table (printed again after each restart)."""
-    cores = ",".join(map(str, p.cores)) if p.cores else "-"
-    return (
-        f"  {p.role:<8} {p.url:<24} pid {p.pid:<8} cores {cores:<6} "
-        f"restarts {p.restarts:<3} log {p.log_path}"
-    )
-
-
-def _print_event(cluster: Cluster, event: Event) -> None:
-    """A supervisor's event as `pdserve up` status lines: restarts on stdout (with the
-    process's updated table row once it is back), give-ups and the end on stderr."""
-    from pdserve.supervisor import ChildBack, ChildFailed, describe
-
-    line = f"pdserve up: {describe(event)}"
-    if isinstance(event, ChildBack):
-        print(f"{line}\n{_status_row(cluster.process(event.name))}", flush=True)
-    elif isinstance(event, ChildFailed) and not isinstance(event.verdict, GiveUp):
-        print(line, flush=True)
-    else:
-        tail = ""
-        if isinstance(event, ChildFailed):
-            tail = f" Its log ends:\n{cluster.process(event.name).log_tail()}"
-        print(f"{line}{tail}", file=sys.stderr, flush=True)

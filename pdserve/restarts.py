@@ -16,15 +16,43 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
+from pdserve.options import option
+
+SUPERVISION_GROUP = "supervision"  # where `pdserve up --help` lists the flags below
+
 
 @dataclass(frozen=True)
 class RestartPolicy:
     """How a supervisor treats a child that died (`pdserve up --max-restarts ...`)."""
 
-    max_restarts: int = 5  # restarts allowed within `window_s`; one more failure gives up
-    window_s: float = 300.0
-    backoff_s: float = 0.5  # the delay before the first restart within the window
-    backoff_max_s: float = 30.0  # the doubling stops here
+    max_restarts: int = option(  # restarts allowed within `window_s`; one more gives up
+        5,
+        group=SUPERVISION_GROUP,
+        metavar="N",
+        help="restarts of one process allowed within the window (0: never restart; "
+        "default: %(default)s)",
+    )
+    window_s: float = option(
+        300.0,
+        flag="--restart-window",
+        group=SUPERVISION_GROUP,
+        metavar="S",
+        help="seconds over which a process's failures are counted (default: %(default)s)",
+    )
+    backoff_s: float = option(  # the delay before the first restart within the window
+        0.5,
+        flag="--restart-backoff",
+        group=SUPERVISION_GROUP,
+        metavar="S",
+        help="delay before the first restart within the window (default: %(default)s)",
+    )
+    backoff_max_s: float = option(  # the doubling stops here
+        30.0,
+        flag="--restart-backoff-max",
+        group=SUPERVISION_GROUP,
+        metavar="S",
+        help="the doubling delay stops here (default: %(default)s)",
+    )
 
     def __post_init__(self) -> None:
         if self.max_restarts < 0:

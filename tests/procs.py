@@ -12,6 +12,9 @@ a `contextlib.ExitStack`; `free_ports(n)` picks n distinct ports for side channe
 like (`pdserve.ports`). A process given no port that finds the one picked for it taken
 meanwhile is started again on another; health counts only when the process itself listens.
 
+`faults` (pdserve.faults) starts a `serve` process through tests/fault_serve.py instead,
+with those faults injected.
+
 `host` and `prefix` place a process elsewhere: `prefix=("ip", "netns", "exec", NS)` runs it in
 network namespace NS (`ip netns exec` execs the command, so the PID is still pdserve's own),
 and `host` is then an address of that namespace. The health check runs in the calling
@@ -34,7 +37,9 @@ from typing import Any
 
 import httpx
 
+from pdserve.faults import Faults
 from pdserve.ports import EXIT_ADDRESS_IN_USE, free_port, free_ports, listens
+from tests import fault_serve
 
 __all__ = ["PdserveProcess", "ProcessFailed", "free_port", "free_ports", "greedy_body"]
 
@@ -63,11 +68,15 @@ class PdserveProcess:
         env: Mapping[str, str] | None = None,
         host: str = HOST,
         prefix: Sequence[str] = (),
+        faults: Faults | None = None,
     ) -> None:
         self._repick = port is None and port_args  # our pick: another is fine if it is taken
         self._base_args, self._host, self._port_args = list(args), host, port_args
         self._use_port(port or free_port())
         self.prefix = list(prefix)  # e.g. ("ip", "netns", "exec", NS), which execs the rest
+        if faults is not None and self._base_args[:1] != ["serve"]:
+            raise ValueError("faults are injected into `serve` processes only")
+        self.faults = faults
         self.health_path = health_path
         self.startup_timeout_s = startup_timeout_s
         self.grace_s = grace_s
@@ -106,6 +115,8 @@ class PdserveProcess:
 
     def _start_once(self) -> PdserveProcess:
         cmd = [*self.prefix, sys.executable, "-m", "pdserve", *self.args]
+        if self.faults is not None:  # the same `serve`, started by the test-only entry point
+            cmd = [*self.prefix, *fault_serve.command(self.faults, self.args[1:])]
         with open(self.log_path, "wb") as log:
             self._proc = subprocess.Popen(
                 cmd, cwd=REPO_ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT

@@ -4,9 +4,11 @@ token, restart on the same ports), and one short real soak with aborts and a P r
 from __future__ import annotations
 
 import argparse
+import asyncio
 import math
 import os
 import sys
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import httpx
@@ -37,7 +39,13 @@ from pdserve.bench.soak_report import (
     total_leaked,
     unreadable_instance,
 )
-from pdserve.bench.soak_traffic import TrafficConfig, make_request, poisson_arrivals, request_body
+from pdserve.bench.soak_traffic import (
+    SoakRequest,
+    TrafficConfig,
+    make_request,
+    poisson_arrivals,
+    request_body,
+)
 from pdserve.launcher import (
     TOKEN_ENV,
     Cluster,
@@ -443,3 +451,56 @@ def test_oracle_reports_wrong_and_unanswered_outputs(
     assert [(m.index, m.first_difference, m.got, m.want) for m in mismatches] == [
         (1, 1, [5, 6], [0, 6])
     ]
+
+
+def _sse_client(body: bytes) -> httpx.AsyncClient:
+    """A client whose every POST streams `body` back as an SSE answer, in 7-byte pieces."""
+
+    async def pieces() -> AsyncIterator[bytes]:
+        for i in range(0, len(body), 7):
+            yield body[i : i + 7]
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, content=pieces())
+
+    return httpx.AsyncClient(transport=httpx.MockTransport(answer))
+
+
+def _token_event(text: str) -> bytes:
+    return b'data: {"choices":[{"index":0,"text":"' + text.encode() + b'"}]}\r\n\r\n'
+
+
+@pytest.mark.parametrize(("abort_after", "completed"), [(2, False), (9, True)])
+def test_a_streamed_soak_request_stops_at_its_abort_point_or_done(
+    abort_after: int, completed: bool
+) -> None:
+    from pdserve.bench.soak_traffic import _stream_until_abort
+
+    # U+2028 inside the JSON: not a line end in SSE, so it must not split an event.
+    body = b": keep-alive\n\n" + b"".join(_token_event(t) for t in ("a", "b\u2028", "c"))
+    body += b"data: [DONE]\r\n\r\n"
+    req = SoakRequest(index=0, prompt=[1], max_tokens=3, arrival_s=0.0)
+    req = msgspec.structs.replace(req, abort_after_tokens=abort_after, abort_after_s=9.0)
+    seen = [0]
+
+    async def run() -> bool:
+        async with _sse_client(body) as http:
+            return await _stream_until_abort(http, "http://x/v1/completions", "m", req, seen)
+
+    assert asyncio.run(run()) is completed
+    assert seen == [abort_after if not completed else 3]
+
+
+def test_an_error_event_fails_a_streamed_soak_request() -> None:
+    from pdserve.bench.soak_traffic import _Failed, _stream_until_abort
+
+    body = _token_event("a") + b'data: {"error":{"message":"boom","type":"x"}}\n\n'
+    req = SoakRequest(index=0, prompt=[1], max_tokens=3, arrival_s=0.0, abort_after_tokens=5)
+
+    async def run() -> bool:
+        async with _sse_client(body) as http:
+            return await _stream_until_abort(http, "http://x/v1/completions", "m", req, [0])
+
+    with pytest.raises(_Failed) as failed:
+        asyncio.run(run())
+    assert failed.value.cause.startswith("stream error"), failed.value.cause

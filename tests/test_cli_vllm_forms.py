@@ -15,9 +15,10 @@ import pytest
 
 from pdserve import __version__
 from pdserve.cli import parse_args
-from pdserve.server.http_protocol import PollFilter
+from pdserve.config import ConnectorConfig
+from pdserve.httpd.protocol import PollFilter
+from pdserve.options import from_args
 from pdserve.server.serve import configs_from_args
-from pdserve.transfer.factory import connector_config
 
 
 def kv(role: str, connector: str = "PdserveConnector", **extra: str) -> str:
@@ -88,7 +89,7 @@ def test_kv_transfer_config_maps_onto_pdserves_flags(
 ) -> None:
     args = parse_args(["serve", "builtin:tiny", "--kv-transfer-config", config])
     assert (args.role, args.kv_transfer, args.transport) == (role, mode, transport)
-    ccfg = connector_config(args)
+    ccfg = from_args(ConnectorConfig, args, engine_id="e")
     assert (ccfg.role, ccfg.mode) == (role, mode)
 
 

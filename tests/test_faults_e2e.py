@@ -18,6 +18,7 @@ from contextlib import ExitStack
 import httpx
 import pytest
 
+from pdserve.faults import Faults
 from tests.procs import PdserveProcess, free_ports
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -28,8 +29,11 @@ BOUND_S = 30.0  # every request ends within this, whatever was killed
 class Trio:
     """A prefill, a decode and a router process on fixed ports, each restartable."""
 
-    def __init__(self, mode: str, p_args=(), d_args=()) -> None:
+    def __init__(
+        self, mode: str, p_args=(), d_args=(), p_faults: Faults | None = None, d_faults=None
+    ) -> None:
         self.mode = mode
+        self.faults = {"prefill": p_faults, "decode": d_faults}
         self.ports = dict(zip(("p", "p_side", "d", "router"), free_ports(4), strict=True))
         self.p_args, self.d_args = tuple(p_args), tuple(d_args)
         self.procs: dict[str, PdserveProcess] = {}
@@ -40,7 +44,8 @@ class Trio:
         args = ["serve", "--role", role, "--kv-transfer", self.mode, "--threads", "1", *extra]
         if role == "prefill":
             args += ["--side-channel-port", str(self.ports["p_side"])]
-        return PdserveProcess(args, port=self.ports["p" if role == "prefill" else "d"])
+        port = self.ports["p" if role == "prefill" else "d"]
+        return PdserveProcess(args, port=port, faults=self.faults[role])
 
     def start(self, name: str) -> None:
         if name == "router":
@@ -167,10 +172,8 @@ def ok_now(url: str, n: int = 3) -> list[str]:
 def test_kill_prefill_mid_flight_then_restart_with_new_incarnation(mode) -> None:
     # P's steps are slowed so the kill at 0.3 s always finds prefills still running: on a
     # fast machine all twelve could otherwise be prefilled (and read) before it.
-    p_args = ("--fault-step-delay-ms", "150")
-    if mode == "push":
-        p_args += ("--push-finish-delay", "0.5")
-    with Trio(mode, p_args=p_args) as t:
+    faults = Faults(step_delay_s=0.15, finish_delay_s=0.5 if mode == "push" else 0.0)
+    with Trio(mode, p_faults=faults) as t:
         old = httpx.get(f"{t.url('p')}/kv/info").json()["incarnation"]
         results = asyncio.run(storm(t.url("router"), 12, kill=lambda: t.kill("p")))
         assert any(r != "ok" for r in results), results  # the kill hit requests in flight
@@ -188,7 +191,7 @@ def test_kill_prefill_mid_flight_then_restart_with_new_incarnation(mode) -> None
 @pytest.mark.parametrize("mode", ["pull", "push"])
 def test_kill_decode_mid_flight_then_restart(mode) -> None:
     # D's steps are slowed so that no stream of 24 tokens can finish before the kill.
-    with Trio(mode, p_args=("--kv-lease", "3"), d_args=("--fault-step-delay-ms", "20")) as t:
+    with Trio(mode, p_args=("--kv-lease", "3"), d_faults=Faults(step_delay_s=0.02)) as t:
         results = asyncio.run(storm(t.url("router"), 12, kill=lambda: t.kill("d")))
         assert any(r != "ok" for r in results), results
         t.wait_free(("p",))  # holds for the dead D: write errors or lease expiry
@@ -201,8 +204,11 @@ def test_kill_decode_mid_flight_then_restart(mode) -> None:
 @pytest.mark.parametrize("mode", ["pull", "push"])
 def test_injected_transfer_errors_fail_only_their_requests(mode) -> None:
     # Who posts: P writes (one post per prompt without layer-wise streaming), D reads.
-    args = ("--fault-transfer-every", "3")
-    kw = {"p_args": (*args, "--no-push-layerwise")} if mode == "push" else {"d_args": args}
+    faults = Faults(fail_transfer_every=3)
+    if mode == "push":
+        kw = {"p_args": ("--no-push-layerwise",), "p_faults": faults}
+    else:
+        kw = {"d_faults": faults}
     with Trio(mode, **kw) as t:
         results = ok_now(t.url("router"), 9)
         assert results.count("ok") == 6, results  # posts 3, 6, 9 failed, clearly
@@ -217,7 +223,7 @@ def test_router_killed_mid_stream_then_restarted(mode) -> None:
     # Pull: prompts P finished for a router that died are held until their lease ends.
     # D's steps are slowed so that no reply of 400 tokens can end before the kill at 0.3 s
     # (at least 4 s of steps), however fast the machine.
-    with Trio(mode, p_args=("--kv-lease", "3"), d_args=("--fault-step-delay-ms", "10")) as t:
+    with Trio(mode, p_args=("--kv-lease", "3"), d_faults=Faults(step_delay_s=0.01)) as t:
         # Long replies, so that streams are still open when the router dies.
         kill = lambda: t.kill("router")  # noqa: E731
         results = asyncio.run(storm(t.url("router"), 8, kill=kill, max_tokens=400))
@@ -263,7 +269,7 @@ def test_kill_decode_while_registered_in_push_mode() -> None:
     serves the next requests."""
     # P's steps are slowed so that the state to kill in (at least two prompts still on P)
     # lasts about a second, not a few fast steps that polling could miss.
-    with Trio("push", p_args=("--kv-lease", "3", "--fault-step-delay-ms", "200")) as t:
+    with Trio("push", p_args=("--kv-lease", "3"), p_faults=Faults(step_delay_s=0.2)) as t:
         old = httpx.get(f"{t.url('d')}/kv/info").json()["incarnation"]
 
         async def scenario() -> list[str | None]:

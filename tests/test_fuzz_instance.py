@@ -32,6 +32,7 @@ from pdserve.engine.engine import LLMEngine
 from pdserve.server.app import create_app
 from pdserve.server.body_limit import MAX_BODY_BYTES
 from pdserve.server.protocol import MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
+from pdserve.sse import events_data
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -274,12 +275,7 @@ def check_answer(r: Any) -> None:
 
 
 def sse_payloads(text: str) -> list[Any]:
-    out = []
-    for block in text.split("\n\n"):
-        if block.strip():
-            assert block.startswith("data: "), block
-            data = block.removeprefix("data: ")
-            out.append(data if data == "[DONE]" else json.loads(data))
+    out = [d if d == "[DONE]" else json.loads(d) for d in events_data(text)]
     assert out and out[-1] == "[DONE]", text[-200:]
     return out
 

@@ -32,6 +32,7 @@ from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.engine import LLMEngine
 from pdserve.model.loader import LoadedModel, load_model
 from pdserve.server.app import create_app
+from pdserve.sse import events_data
 from pdserve.transfer import messages as m
 from pdserve.transfer.cluster_auth import LEG_SIGNATURE_HEADER, sign_leg
 from pdserve.transfer.side_channel import Address, SideChannel
@@ -429,7 +430,7 @@ def test_unreachable_address_fails_within_the_handshake_timeout(pull: PD) -> Non
 
 
 def sse_events(r: Any) -> list[Any]:
-    lines = [x.removeprefix("data: ") for x in r.text.splitlines() if x.startswith("data: ")]
+    lines = events_data(r.content)
     assert lines[-1] == "[DONE]", r.text
     return [json.loads(x) for x in lines[:-1]]
 

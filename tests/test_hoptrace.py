@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from pdserve.transfer.hoptrace import HOP_LOGGER, hop, parse_hop_line
+from pdserve.tracelog import HOP_LOGGER, hop, parse_hop_line
 
 SERVE_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"  # pdserve serve's
 

@@ -20,9 +20,9 @@ from fastapi import FastAPI
 from hypothesis import given
 from hypothesis import strategies as st
 
+from pdserve.httpd.protocol import HeaderDeadlineProtocol
 from pdserve.ports import free_port
 from pdserve.server.errors import MAX_JSON_DEPTH, json_depth
-from pdserve.server.http_protocol import HeaderDeadlineProtocol
 from tests.test_router_fake_instance import FakeInstance, running_router
 
 pytestmark = pytest.mark.timeout(60)

@@ -19,13 +19,9 @@ from pdserve.config import ModelConfig, TransportConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.types import SamplingParams
 from pdserve.model.loader import LoadedModel, load_model
+from pdserve.server.serve_args import add_arguments, pd_configs_from_args
 from pdserve.transfer.connector import ConnectorConfig
-from pdserve.transfer.factory import (
-    add_transfer_arguments,
-    build_factory,
-    connector_config,
-    transport_config,
-)
+from pdserve.transfer.factory import build_factory
 from pdserve.transfer.transport.base import PeerCard
 from pdserve.transfer.transport.handshake import advertised_host
 from pdserve.transfer.transport.tcp import TcpTransport
@@ -39,8 +35,20 @@ GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 
 def _args(*argv: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
-    add_transfer_arguments(parser)
+    add_arguments(parser)
     return parser.parse_args(["--role", "prefill", *argv])
+
+
+def connector_config(args: argparse.Namespace) -> ConnectorConfig:
+    pd = pd_configs_from_args(args)
+    assert pd is not None
+    return pd[0]
+
+
+def transport_config(args: argparse.Namespace) -> TransportConfig:
+    pd = pd_configs_from_args(args)
+    assert pd is not None
+    return pd[1]
 
 
 @pytest.mark.parametrize("wildcard", ["0.0.0.0", "::", ""])

@@ -26,6 +26,7 @@ import pytest
 
 from pdserve.config import ModelConfig
 from pdserve.engine.types import EngineRequest, FinishReason, SamplingParams
+from pdserve.faults import Faults
 from pdserve.model.loader import load_model
 from pdserve.ports import free_ports
 from pdserve.transfer import messages as m
@@ -205,7 +206,7 @@ def test_prefill_refuses_legs_over_the_unclaimed_hold_cap(pair_factory, mode) ->
 def test_push_registered_holds_do_not_count_as_unclaimed(pair_factory) -> None:
     """A prompt D registered for is claimed the moment the writer pairs it."""
     long = {"lease_s": 300.0, "max_unclaimed_hold_fraction": 0.25}
-    pair = pair_factory("push", p_kw={**long, "push_finish_delay_s": 1.0}, num_blocks=64)
+    pair = pair_factory("push", p_kw={**long, "faults": Faults(finish_delay_s=1.0)}, num_blocks=64)
     pair.submit_d("r", IDS, GREEDY, pair.push_params("t-reg"))
     pair.run_until(lambda: "t-reg" in pair.p.connector._registered, only=pair.d)
     pair.submit_p("r-p", IDS, "t-reg")

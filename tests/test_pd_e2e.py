@@ -15,7 +15,9 @@ from pathlib import Path
 import httpx
 import procs
 import pytest
+from fault_serve import instance_command
 
+from pdserve.faults import Faults
 from pdserve.launcher import Cluster, ClusterConfig
 from pdserve.transfer.cluster_auth import LEG_SIGNATURE_HEADER, route_headers, sign_leg
 from pdserve.transfer.transport import BackendUnavailableError
@@ -86,7 +88,13 @@ def expected(tmp_path_factory) -> list[list[int]]:
     return out
 
 
-def start(tmp_path: Path, mode: str, transport: str = "tcp", extra: tuple[str, ...] = ()):
+def start(
+    tmp_path: Path,
+    mode: str,
+    transport: str = "tcp",
+    extra: tuple[str, ...] = (),
+    faults: Faults | None = None,
+):
     # Local prefill off: every test prompt (1-17 tokens) must go through P and a transfer.
     cfg = ClusterConfig(
         kv_transfer=mode,
@@ -95,7 +103,7 @@ def start(tmp_path: Path, mode: str, transport: str = "tcp", extra: tuple[str, .
         instance_args=extra,
         local_prefill_below=0,
     )
-    return Cluster(cfg)
+    return Cluster(cfg, instance_command=None if faults is None else instance_command(faults))
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
@@ -206,7 +214,7 @@ def test_push_200_requests_with_random_aborts_leave_no_blocks(tmp_path) -> None:
 
     # Slowed steps (2 ms each) keep `aborted > 0` certain however fast the machine: the
     # shortest abort point is 11 ms, and its reply of 24 tokens takes at least 48 ms.
-    with start(tmp_path, "push", extra=("--fault-step-delay-ms", "2")) as cluster:
+    with start(tmp_path, "push", faults=Faults(step_delay_s=0.002)) as cluster:
         done, aborted = asyncio.run(scenario(cluster.router_url))
         assert done + aborted == 200 and aborted > 0 and done > 0
         wait_blocks_free(cluster)

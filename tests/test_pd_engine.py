@@ -8,7 +8,6 @@ both block pools are full again and pass their integrity check.
 from __future__ import annotations
 
 import random
-import threading
 import time
 from collections.abc import Callable
 
@@ -16,6 +15,7 @@ import pytest
 
 from pdserve.config import ModelConfig
 from pdserve.engine.types import EngineRequest, FinishReason, SamplingParams
+from pdserve.faults import Faults
 from pdserve.model.loader import load_model
 from pdserve.transfer.adapter import Quarantine
 from tests.pd_harness import Pair, greedy_tokens, make_engine, unreachable_push_params
@@ -85,31 +85,11 @@ def test_pd_output_equals_monolithic(pair_factory, reference, mode) -> None:
     assert pair.p.connector.stats.transfers + pair.d.connector.stats.transfers >= 8
 
 
-def test_pull_on_engine_loop_reads_on_the_engine_thread(pair_factory, reference) -> None:
-    """Classic pull (`pull_on_engine_loop`): same tokens, every READ on the thread that
-    steps D, no reader lane."""
-    pair = pair_factory("pull", d_kw={"pull_on_engine_loop": True})
-    threads: list[str] = []
-    run_transfer = pair.d.connector.run_transfer
-
-    def recorded(*args, **kwargs):
-        threads.append(threading.current_thread().name)
-        return run_transfer(*args, **kwargs)
-
-    pair.d.connector.run_transfer = recorded
-    for i, ids in enumerate(prompts(6, seed=22)):
-        out = pair.generate(f"r{i}", ids, GREEDY)
-        assert out.finish_reason is FinishReason.LENGTH, out.error
-        assert pair.tokens(f"r{i}") == reference(ids), f"prompt {i} ({len(ids)} tokens)"
-    assert threads == [threading.current_thread().name] * 6
-    assert len(pair.d.connector._lanes) == 0
-    pair.settle()
-
-
 @pytest.mark.parametrize("order", ["registration_first", "prefill_first"])
 def test_push_pairs_in_either_order(pair_factory, reference, order) -> None:
-    delay = {"push_finish_delay_s": 0.3} if order == "registration_first" else {}
-    d_delay = {"push_register_delay_s": 0.3} if order == "prefill_first" else {}
+    first = order == "registration_first"
+    delay = {"faults": Faults(finish_delay_s=0.3)} if first else {}
+    d_delay = {} if first else {"faults": Faults(register_delay_s=0.3)}
     pair = pair_factory("push", p_kw=delay, d_kw=d_delay)
     ids = prompts(1, seed=11)[0]
     pair.generate("r", ids, GREEDY)
@@ -125,7 +105,7 @@ def test_push_pairs_in_either_order(pair_factory, reference, order) -> None:
 def test_live_requests_count_only_prompts_computed_here(pair_factory) -> None:
     """`/load`'s input: a prompt whose KV comes from P has nothing left to prefill on D,
     and both sides owe what max_tokens says (LiveRequest, LLMEngine.live_requests)."""
-    pair = pair_factory("push", p_kw={"push_finish_delay_s": 0.3})
+    pair = pair_factory("push", p_kw={"faults": Faults(finish_delay_s=0.3)})
     ids = prompts(1, seed=14)[0]
     pair.submit_p("r-p", ids, "t-live")
     pair.submit_d("r", ids, GREEDY, pair.push_params("t-live"))
@@ -138,7 +118,7 @@ def test_live_requests_count_only_prompts_computed_here(pair_factory) -> None:
 
 
 def test_push_failure_notice_fails_decode_at_once(pair_factory) -> None:
-    pair = pair_factory("push", p_kw={"push_finish_delay_s": 0.0})
+    pair = pair_factory("push", p_kw={"faults": Faults(finish_delay_s=0.0)})
     ids = prompts(1, seed=12)[0]
     tid = "t-fail"
     pair.submit_p("r-p", ids, tid)
@@ -167,7 +147,9 @@ def test_push_watchdog_frees_blocks_when_no_write_comes(pair_factory) -> None:
 def test_push_fencing_blocks_stay_quarantined_until_p_acknowledges(pair_factory) -> None:
     # P computes the prompt at once but hands it to its writer only after 1 s; D's watchdog
     # gives up after 0.3 s. D's blocks must stay fenced until P acknowledges the abort.
-    pair = pair_factory("push", p_kw={"push_finish_delay_s": 1.0}, d_kw={"recv_timeout_s": 0.3})
+    pair = pair_factory(
+        "push", p_kw={"faults": Faults(finish_delay_s=1.0)}, d_kw={"recv_timeout_s": 0.3}
+    )
     ids = list(range(3, 100))
     tid = "t-fence"
     pair.submit_p("r-p", ids, tid)
@@ -245,12 +227,9 @@ def test_push_prompt_nobody_registers_for_is_freed_after_the_lease(pair_factory)
     assert pair.p.connector.stats.lease_expired == 1
 
 
-@pytest.mark.parametrize("mode", ["push", "pull", "pull-on-engine-loop"])
+@pytest.mark.parametrize("mode", ["push", "pull"])
 def test_dead_prefill_instance_fails_waiting_requests_by_heartbeat(pair_factory, mode) -> None:
     d_kw = {"recv_timeout_s": 60}
-    if mode == "pull-on-engine-loop":  # the handshake with the dead P blocks D's engine
-        d_kw |= {"pull_on_engine_loop": True, "handshake_timeout_s": 2.0}
-        mode = "pull"
     pair = pair_factory(mode, d_kw=d_kw)
     ids = prompts(1, seed=18)[0]
     if mode == "push":

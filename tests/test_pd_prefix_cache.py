@@ -11,6 +11,7 @@ from pd_harness import Pair, greedy_tokens, make_engine
 
 from pdserve.engine.scheduler import blocks_needed
 from pdserve.engine.types import SamplingParams
+from pdserve.faults import Faults
 from pdserve.model.loader import load_model
 
 pytestmark = pytest.mark.timeout(120)
@@ -77,12 +78,9 @@ def test_failed_partial_transfer_leaks_nothing(loaded, mode) -> None:
     the request errors, every block comes back (cached ones stay findable), and the next
     turn works and matches the monolithic output."""
     side = "prefill" if mode == "push" else "decode"  # who posts the transfer
-    p = make_engine(
-        loaded, "prefill", mode, **({"fault_transfer_every": 2} if side == "prefill" else {})
-    )
-    d = make_engine(
-        loaded, "decode", mode, **({"fault_transfer_every": 2} if side == "decode" else {})
-    )
+    faults = Faults(fail_transfer_every=2)
+    p = make_engine(loaded, "prefill", mode, **({"faults": faults} if side == "prefill" else {}))
+    d = make_engine(loaded, "decode", mode, **({"faults": faults} if side == "decode" else {}))
     pair = Pair(p, d, mode)
     mono = make_engine(loaded, "both", mode)
     try:

@@ -22,6 +22,8 @@ from ray_harness import (
     wait_for,
 )
 
+from pdserve.faults import NO_FAULTS, Faults
+
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.timeout(900),
@@ -63,7 +65,9 @@ def reference(ray_session: None) -> Iterator[dict[str, str]]:
         ray.kill(mono, no_restart=True)
 
 
-def _cluster(mode: str, num_prefill: int, num_decode: int, *extra: str):  # -> RayCluster
+def _cluster(
+    mode: str, num_prefill: int, num_decode: int, *extra: str, faults: Faults = NO_FAULTS
+):  # -> RayCluster
     from pdserve.cluster.ray_cluster import RayCluster, RayClusterConfig
     from pdserve.launcher import ClusterConfig
 
@@ -75,7 +79,8 @@ def _cluster(mode: str, num_prefill: int, num_decode: int, *extra: str):  # -> R
         local_prefill_below=0,  # every prompt crosses from P to D
         instance_args=("--num-kv-blocks", "128", *extra),
     )
-    return RayCluster(RayClusterConfig(config, actor_cpus=ACTOR_CPUS, drain_timeout_s=180), TOKEN)
+    ray_config = RayClusterConfig(config, actor_cpus=ACTOR_CPUS, drain_timeout_s=180, faults=faults)
+    return RayCluster(ray_config, TOKEN)
 
 
 def _blocks_used(cluster) -> dict[str, int | None]:
@@ -131,7 +136,7 @@ def test_kill_9_of_an_actor_process_is_healed_by_ray(reference: dict[str, str]) 
 def test_scale_up_and_drain_under_load_lose_no_request(reference: dict[str, str]) -> None:
     # Every engine step 30 ms longer, so that requests are still running when the drain
     # starts, however fast this machine is.
-    with _cluster("push", 1, 1, "--fault-step-delay-ms", "30") as cluster:
+    with _cluster("push", 1, 1, faults=Faults(step_delay_s=0.03)) as cluster:
         added = cluster.add_instance("decode")
         assert added.name == "decode-1"
         cluster.wait_router_sees(3)
@@ -173,8 +178,8 @@ def test_planner_scales_up_under_load_and_down_when_idle(reference: dict[str, st
     )
     # 512 blocks: the burst must queue on P, not hit P's cap on unclaimed holds (a 503);
     # one sequence at a time, so it stays queued there (and on D: both hot, P can grow).
-    slow = ("--fault-step-delay-ms", "100", "--num-kv-blocks", "512", "--max-num-seqs", "1")
-    with _cluster("push", 1, 1, *slow) as cluster:
+    slow = ("--num-kv-blocks", "512", "--max-num-seqs", "1")
+    with _cluster("push", 1, 1, *slow, faults=Faults(step_delay_s=0.1)) as cluster:
         planner = RayPlannerLoop(cluster, cfg)
         prompts = [p * 4 for p in PROMPTS] * 4
         with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:

@@ -16,6 +16,7 @@ from contextlib import ExitStack
 import httpx
 import pytest
 
+from pdserve.faults import Faults
 from pdserve.transfer.cluster_auth import LEG_SIGNATURE_HEADER, sign_leg
 from pdserve.transfer.release import SIGNATURE_HEADER, release_signature
 from tests.procs import PdserveProcess
@@ -31,14 +32,16 @@ FREED_WITHIN_S = 1.0
 class Cluster:
     """P, D and a router of one mode, all with the cluster token."""
 
-    def __init__(self, stack: ExitStack, mode: str, p_args=(), d_args=()) -> None:
-        def serve(role: str, extra) -> PdserveProcess:
+    def __init__(
+        self, stack: ExitStack, mode: str, p_args=(), d_faults: Faults | None = None
+    ) -> None:
+        def serve(role: str, extra, faults: Faults | None = None) -> PdserveProcess:
             args = ["serve", "--role", role, "--kv-transfer", mode, "--threads", "1", *extra]
-            return stack.enter_context(PdserveProcess(args, env=ENV))
+            return stack.enter_context(PdserveProcess(args, env=ENV, faults=faults))
 
         self.mode = mode
         self.p = serve("prefill", ("--kv-lease", "300", *p_args))
-        self.d = serve("decode", d_args)
+        self.d = serve("decode", (), d_faults)
         self.router = stack.enter_context(router(mode, self.p, self.d, env=ENV))
 
     def metric(self, name: str) -> float:
@@ -71,7 +74,7 @@ def pull() -> Iterator[Cluster]:
 def push() -> Iterator[Cluster]:
     # D registers only after 3 s: time for a client to leave after P finished.
     with ExitStack() as stack:
-        yield Cluster(stack, "push", d_args=("--push-register-delay", "3"))
+        yield Cluster(stack, "push", d_faults=Faults(register_delay_s=3.0))
 
 
 def too_long_for_d(stream: bool = False) -> dict:

@@ -75,17 +75,3 @@ def test_the_report_extends_instance_load_both_ways() -> None:
     assert old.kv_blocks_total == 50
     new = msgspec.json.decode(msgspec.json.encode(old), type=LoadReport)
     assert (new.decode_tokens_left, new.decode_steps_per_s) == (0, None)
-
-
-def test_the_step_delay_knob_is_a_hidden_serve_flag() -> None:
-    """`serve --fault-step-delay-ms` (slows one instance in routing benchmarks) parses but
-    stays out of --help."""
-    import argparse
-
-    from pdserve.server.serve import add_arguments
-
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
-    assert parser.parse_args(["--fault-step-delay-ms", "40"]).fault_step_delay_ms == 40.0
-    assert parser.parse_args([]).fault_step_delay_ms == 0.0
-    assert "fault-step-delay" not in parser.format_help()

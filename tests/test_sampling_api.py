@@ -17,6 +17,7 @@ from pdserve.config import CacheConfig, EngineConfig, ModelConfig, ServerConfig
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.engine import LLMEngine
 from pdserve.server.app import create_app
+from pdserve.sse import events_data
 
 transformers = pytest.importorskip("transformers")
 
@@ -113,7 +114,7 @@ def test_streamed_completion_logprobs_equal_the_whole_response(served) -> None:
     body["ignore_eos"] = True
     whole = post(client, "/v1/completions", **body)["choices"][0]["logprobs"]
     r = client.post("/v1/completions", json={**body, "stream": True})
-    chunks = [json.loads(x[6:]) for x in r.text.split("\n\n") if x.startswith("data: {")]
+    chunks = [json.loads(d) for d in events_data(r.content) if d != "[DONE]"]
     merged: dict[str, list] = {"tokens": [], "token_logprobs": [], "text_offset": []}
     for c in chunks:
         for key in merged:
@@ -172,7 +173,7 @@ def test_n_choices_stream_each_index(served) -> None:
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "n": 2}
     body.update(stream=True, seed=1, ignore_eos=True)
     r = client.post("/v1/chat/completions", json=body)
-    chunks = [json.loads(x[6:]) for x in r.text.split("\n\n") if x.startswith("data: {")]
+    chunks = [json.loads(d) for d in events_data(r.content) if d != "[DONE]"]
     finished = [c["choices"][0]["index"] for c in chunks if c["choices"][0]["finish_reason"]]
     assert sorted(finished) == [0, 1]
     roles = [c["choices"][0]["index"] for c in chunks if c["choices"][0]["delta"].get("role")]

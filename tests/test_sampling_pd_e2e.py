@@ -17,6 +17,7 @@ import pytest
 from test_pd_e2e import wait_blocks_free
 
 from pdserve.launcher import Cluster, ClusterConfig
+from pdserve.sse import events_data
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -122,10 +123,8 @@ def _collect(r: httpx.Response) -> dict[str, Any]:
     texts: dict[int, str] = {}
     logprobs: dict[int, list] = {}
     usage = None
-    for block in r.text.split("\n\n"):
-        if not block.startswith("data: {"):
-            continue
-        event = json.loads(block[6:])
+    for data in events_data(r.content)[:-1]:  # the last is [DONE]
+        event = json.loads(data)
         assert "error" not in event, event
         usage = event.get("usage") or usage
         for choice in event["choices"]:

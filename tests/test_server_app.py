@@ -32,6 +32,7 @@ from pdserve.engine.types import (
     RequestOutput,
 )
 from pdserve.server.app import create_app
+from pdserve.sse import events_data
 from pdserve.transfer.params import InstanceLimits, KVTransferParams
 from tests.fake_engines import fake_info
 
@@ -203,13 +204,7 @@ def complete(client: TestClient, **body: Any) -> Any:
 
 def sse_events(text: str) -> list[Any]:
     """The `data:` payloads of an SSE body, JSON-decoded, with [DONE] as the string."""
-    events = []
-    for block in text.split("\n\n"):
-        if block.strip():
-            assert block.startswith("data: "), block
-            data = block.removeprefix("data: ")
-            events.append(data if data == "[DONE]" else json.loads(data))
-    return events
+    return [d if d == "[DONE]" else json.loads(d) for d in events_data(text)]
 
 
 def assert_error(resp: Any, status: int, param: str | None = None) -> dict[str, Any]:

@@ -71,11 +71,10 @@ def test_help_shows_defaults(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_transfer_switches_reach_the_connector_config() -> None:
-    from pdserve.transfer.factory import connector_config
+    from pdserve.server.serve_args import pd_configs_from_args
 
     base = ["serve", "--role", "decode", "--kv-transfer", "pull"]
-    default = connector_config(parse_args(base))
-    assert (default.pull_on_engine_loop, default.push_layerwise) == (False, True)
-    argv = [*base, "--pull-read-on-engine-loop", "--no-push-layerwise"]
-    cfg = connector_config(parse_args(argv))
-    assert (cfg.pull_on_engine_loop, cfg.push_layerwise) == (True, False)
+    default, _ = pd_configs_from_args(parse_args(base)) or (None, None)
+    assert default is not None and default.push_layerwise is True
+    cfg, _ = pd_configs_from_args(parse_args([*base, "--no-push-layerwise"])) or (None, None)
+    assert cfg is not None and cfg.push_layerwise is False

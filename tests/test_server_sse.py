@@ -6,7 +6,7 @@ import json
 
 import msgspec
 
-from pdserve.server.sse import data_event, data_event_bytes
+from pdserve.sse import data_event, data_event_bytes
 
 TEXT = "a\u2028b\u2029c\x85d é 中 \\u2028"  # the last is an escape already: stays as it is
 

@@ -15,13 +15,19 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pdserve.options import option
+
+LOAD_GROUP = "load"  # where `pdserve bench serve --help` lists the flags below
+
 
 @dataclass(frozen=True)
 class ArrivalConfig:
     """Request rate (req/s, inf = all at once) and burstiness (gamma shape, inf = regular)."""
 
-    request_rate: float = math.inf
-    burstiness: float = 1.0
+    request_rate: float = option(
+        math.inf, group=LOAD_GROUP, help="req/s (default inf: all at once)"
+    )
+    burstiness: float = option(1.0, group=LOAD_GROUP, help="gamma shape of the gaps; 1: Poisson")
     normalize: bool = True  # rescale the gaps so the last arrival is at n / rate
 
     def __post_init__(self) -> None:

@@ -42,8 +42,8 @@ import msgspec
 
 from pdserve.bench.dataset import CHARS_PER_TOKEN, BenchRequest, estimate_tokens
 from pdserve.bench.metrics import RequestRecord
-from pdserve.bench.sse_decoder import SseDecoder
 from pdserve.keepalive import CLIENT_KEEPALIVE_S
+from pdserve.sse import SseDecoder
 
 PREFILL_DONE_HEADER = "x-pdserve-prefill-done"
 _MAX_ERROR_BODY = 500

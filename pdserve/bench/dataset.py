@@ -17,6 +17,10 @@ from pathlib import Path
 import msgspec
 import numpy as np
 
+from pdserve.options import from_flag, option
+
+WORKLOAD_GROUP = "workload"  # where `pdserve bench serve --help` lists the flags below
+
 
 class BenchRequest(msgspec.Struct, frozen=True, kw_only=True):
     """One request to replay.
@@ -44,11 +48,32 @@ class RandomDatasetConfig:
     model with at least 256 tokens.
     """
 
-    input_len: int = 1024
-    output_len: int = 128
-    range_ratio: float = 0.0
-    vocab_size: int = 256
-    token_offset: int = 10
+    input_len: int = option(
+        1024,
+        flag="--random-input-len",
+        aliases=("--input-len",),
+        group=WORKLOAD_GROUP,
+        metavar="N",
+        help="random: prompt tokens (about that many with the chat API)",
+    )
+    output_len: int = option(
+        128,
+        flag="--random-output-len",
+        aliases=("--output-len",),
+        group=WORKLOAD_GROUP,
+        metavar="N",
+        help="random: tokens to generate (max_tokens)",
+    )
+    range_ratio: float = option(
+        0.0,
+        flag="--random-range-ratio",
+        aliases=("--range-ratio",),
+        group=WORKLOAD_GROUP,
+        metavar="R",
+        help="random: lengths uniform in [L(1-r), L(1+r)], 0 <= r < 1",
+    )
+    vocab_size: int = option(256, group=WORKLOAD_GROUP, help="random: token ids are below this")
+    token_offset: int = option(10, group=WORKLOAD_GROUP, help="random: lowest token id")
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.range_ratio < 1.0:
@@ -107,12 +132,32 @@ class MultiTurnConfig:
     ...), so a conversation's turns arrive in order and its earlier turns may be cached.
     """
 
-    system_len: int = 512
-    user_len: int = 64
-    turns: int = 4
-    output_len: int = 64
-    vocab_size: int = 256
-    token_offset: int = 10
+    system_len: int = option(
+        512,
+        flag="--multiturn-system-len",
+        group=WORKLOAD_GROUP,
+        metavar="N",
+        help="multiturn: tokens of the shared system prompt",
+    )
+    user_len: int = option(
+        64,
+        flag="--multiturn-user-len",
+        group=WORKLOAD_GROUP,
+        metavar="N",
+        help="multiturn: tokens of each user message",
+    )
+    turns: int = option(
+        4,
+        flag="--multiturn-turns",
+        group=WORKLOAD_GROUP,
+        metavar="N",
+        help="multiturn: turns per conversation (--num-prompts / N conversations); each "
+        "turn's reply in the history is --random-output-len tokens",
+    )
+    # `pdserve bench serve` gives the random dataset's lengths and ids here too.
+    output_len: int = from_flag("--random-output-len", 64)
+    vocab_size: int = from_flag("--vocab-size", 256)
+    token_offset: int = from_flag("--token-offset", 10)
 
     def __post_init__(self) -> None:
         if min(self.system_len, self.user_len, self.turns, self.output_len) < 1:

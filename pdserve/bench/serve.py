@@ -33,7 +33,7 @@ import msgspec
 import numpy as np
 from tqdm import tqdm
 
-from pdserve.bench.arrivals import ArrivalConfig, arrival_offsets
+from pdserve.bench.arrivals import LOAD_GROUP, ArrivalConfig, arrival_offsets
 from pdserve.bench.client import (
     ClientConfig,
     EndpointError,
@@ -44,6 +44,7 @@ from pdserve.bench.client import (
     send_request,
 )
 from pdserve.bench.dataset import (
+    WORKLOAD_GROUP,
     BenchRequest,
     CountTokens,
     MultiTurnConfig,
@@ -72,12 +73,14 @@ from pdserve.bench.metrics import (
     per_request_arrays,
     save_result,
 )
+from pdserve.options import add_options, from_args, group_titled, option
 
 DEFAULT_NUM_PROMPTS = 100
 WARMUP_MAX_TOKENS = 16  # enough to go through prefill, KV handoff and a few decode steps
 COMPLETIONS_ENDPOINT = "/v1/completions"
 CHAT_ENDPOINT = "/v1/chat/completions"
 DATASETS = ("random", "sharegpt", "custom", "trace", "multiturn")
+ENDPOINT_GROUP, OUTPUT_GROUP = "endpoint", "output"  # `--help`'s groups (with workload, load)
 FILE_DATASETS = ("sharegpt", "custom", "trace")
 BACKENDS = {
     "vllm": COMPLETIONS_ENDPOINT,
@@ -91,6 +94,32 @@ def is_chat_endpoint(endpoint: str) -> bool:
     return endpoint.split("?")[0].rstrip("/").endswith("/chat/completions")
 
 
+def _key_value(item: str) -> tuple[str, str]:
+    key, sep, value = item.partition("=")
+    if not sep or not key.strip():
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {item!r}")
+    return key.strip(), value.strip()
+
+
+def _metric_list(text: str) -> tuple[str, ...]:
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    if not names or any(n not in LATENCY_METRICS for n in names):
+        raise argparse.ArgumentTypeError(
+            f"not a list of metrics: {text!r} (use some of {','.join(LATENCY_METRICS)})"
+        )
+    return names
+
+
+def _percentile_list(text: str) -> tuple[float, ...]:
+    try:
+        qs = tuple(float(q) for q in text.split(",") if q.strip())
+    except ValueError:
+        qs = ()
+    if not qs or not all(0 <= q <= 100 for q in qs):
+        raise argparse.ArgumentTypeError(f"not a list of percentiles in 0..100: {text!r}")
+    return qs
+
+
 @dataclass(frozen=True)
 class BenchConfig:
     """One benchmark run. `trace_path` None: random dataset of `num_prompts` (default 100).
@@ -99,31 +128,131 @@ class BenchConfig:
     "random". A chat `endpoint` (.../chat/completions) gets chat bodies; its random prompts are
     text (`sample_random_text`)."""
 
-    base_url: str = "http://127.0.0.1:8000"
-    endpoint: str = COMPLETIONS_ENDPOINT
-    model: str | None = None  # None: the first model of GET /v1/models
-    label: str | None = None
-    dataset_name: str | None = None  # one of DATASETS
+    base_url: str = option(
+        "http://127.0.0.1:8000",
+        flag_default=None,
+        group=ENDPOINT_GROUP,
+        metavar="URL",
+        help="server URL (default: http://HOST:PORT)",
+    )
+    endpoint: str = option(
+        COMPLETIONS_ENDPOINT,
+        flag_default=None,
+        group=ENDPOINT_GROUP,
+        help=f"path of the API (default {COMPLETIONS_ENDPOINT}, or {CHAT_ENDPOINT} with "
+        "--backend openai-chat); a path ending in /chat/completions gets chat bodies",
+    )
+    model: str | None = option(  # None: the first model of GET /v1/models
+        None, group=ENDPOINT_GROUP, help="model name sent; default: first of /v1/models"
+    )
+    label: str | None = option(
+        None, group=OUTPUT_GROUP, help="name of the run (report series, file name)"
+    )
+    dataset_name: str | None = option(  # one of DATASETS
+        None,
+        group=WORKLOAD_GROUP,
+        choices=DATASETS,
+        help="random: random token ids (text words for the chat API); sharegpt: vLLM's "
+        'ShareGPT JSON; custom: JSONL of {"prompt": ...}; trace: pdserve\'s JSONL trace; '
+        "multiturn: conversations with a shared system prompt growing turn by turn, token "
+        "ids written from --seed (default: trace with --dataset-path, else random)",
+    )
     random: RandomDatasetConfig = field(default_factory=RandomDatasetConfig)
     multiturn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
-    trace_path: Path | None = None
-    file_output_len: int | None = None  # sharegpt, custom: output length for every request
-    tokenize_url: str | None = None  # where POST /tokenize counts tokens; None: base_url
-    use_trace_timing: bool = True  # replay a trace's arrival times when it has them
-    num_prompts: int | None = None  # None: DEFAULT_NUM_PROMPTS, or the whole trace / custom
+    trace_path: Path | None = option(
+        None,
+        flag="--dataset-path",
+        aliases=("--trace",),
+        group=WORKLOAD_GROUP,
+        metavar="FILE",
+        help="file of the dataset",
+    )
+    file_output_len: int | None = option(  # sharegpt, custom: output length for every request
+        None,
+        flag="--sharegpt-output-len",
+        aliases=("--custom-output-len",),
+        group=WORKLOAD_GROUP,
+        metavar="N",
+        help="sharegpt: tokens to generate instead of the reply's length; custom: for every "
+        "line (default: the line's output_tokens or max_tokens, else 256)",
+    )
+    tokenize_url: str | None = option(  # where POST /tokenize counts tokens; None: base_url
+        None,
+        group=ENDPOINT_GROUP,
+        metavar="URL",
+        help="server whose POST /tokenize counts tokens for sharegpt lengths and random chat "
+        "text (default: --base-url; pdserve's router has none, give an instance's URL); "
+        "without one, 4 characters count as a token",
+    )
+    use_trace_timing: bool = option(  # replay a trace's arrival times when it has them
+        True,
+        flag="--ignore-trace-timing",
+        group=WORKLOAD_GROUP,
+        help="use --request-rate even if the trace has arrival times",
+    )
+    num_prompts: int | None = option(  # None: DEFAULT_NUM_PROMPTS, or the whole trace / custom
+        None,
+        group=WORKLOAD_GROUP,
+        metavar="N",
+        help=f"requests to send (default {DEFAULT_NUM_PROMPTS} for random and sharegpt, "
+        "the whole file for trace and custom)",
+    )
     arrivals: ArrivalConfig = field(default_factory=ArrivalConfig)
-    max_concurrency: int | None = None
-    seed: int = 0
-    num_warmups: int = 1
-    goodput: tuple[tuple[str, float], ...] = ()  # (metric, ms) SLOs
-    ignore_eos: bool = True
-    temperature: float | None = None
-    request_timeout_s: float = 300.0
-    api_key: str | None = None
-    metadata: tuple[tuple[str, str], ...] = ()  # labels saved with the result (mode=push)
-    disable_tqdm: bool = False
-    percentile_metrics: tuple[str, ...] = LATENCY_METRICS  # reported with percentiles
-    metric_percentiles: tuple[float, ...] = DEFAULT_PERCENTILES
+    max_concurrency: int | None = option(None, group=LOAD_GROUP, help="most requests in flight")
+    seed: int = option(0, group=LOAD_GROUP, help="seeds prompts, warm-ups and arrivals")
+    num_warmups: int = option(1, group=LOAD_GROUP, help="short requests sent first, not measured")
+    goodput: tuple[tuple[str, float], ...] = option(  # (metric, ms) SLOs
+        (),
+        group=OUTPUT_GROUP,
+        nargs="+",
+        parse=str,
+        metavar="NAME:MS",
+        help="SLOs for goodput, e.g. ttft:500 tpot:50",
+    )
+    ignore_eos: bool = option(
+        True,
+        group=WORKLOAD_GROUP,
+        negatable=True,
+        help="ask the server to generate the full output length (default on)",
+    )
+    temperature: float | None = option(None, group=WORKLOAD_GROUP, help="default: the server's")
+    request_timeout_s: float = option(
+        300.0,
+        flag="--request-timeout",
+        group=ENDPOINT_GROUP,
+        help="seconds for one whole request",
+    )
+    api_key: str | None = option(
+        None,
+        env="OPENAI_API_KEY",
+        group=ENDPOINT_GROUP,
+        help="bearer token (default: $OPENAI_API_KEY)",
+    )
+    metadata: tuple[tuple[str, str], ...] = option(  # labels saved with the result (mode=push)
+        (),
+        group=OUTPUT_GROUP,
+        nargs="*",
+        parse=_key_value,
+        metavar="KEY=VALUE",
+        help="labels saved with the result, e.g. mode=push",
+    )
+    disable_tqdm: bool = option(False, group=OUTPUT_GROUP, help="no progress bar")
+    percentile_metrics: tuple[str, ...] = option(  # reported with percentiles
+        LATENCY_METRICS,
+        group=OUTPUT_GROUP,
+        parse=_metric_list,
+        metavar="LIST",
+        help="metrics shown in the summary, with their percentiles (default "
+        f"{','.join(LATENCY_METRICS)}; vLLM's is ttft,tpot,itl)",
+    )
+    metric_percentiles: tuple[float, ...] = option(
+        DEFAULT_PERCENTILES,
+        group=OUTPUT_GROUP,
+        parse=_percentile_list,
+        metavar="LIST",
+        help="percentiles shown and saved as p{q}_{metric}_ms (default 90,99; p90 and p99 "
+        "are always saved)",
+    )
 
     @property
     def dataset(self) -> str:
@@ -382,37 +511,33 @@ async def run_benchmark(cfg: BenchConfig) -> BenchResult:
     return _result(cfg, model, requests, offsets, records, duration, clock, host_cpu)
 
 
-def _key_value(item: str) -> tuple[str, str]:
-    key, sep, value = item.partition("=")
-    if not sep or not key.strip():
-        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {item!r}")
-    return key.strip(), value.strip()
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of `pdserve bench serve`: `vllm bench serve`'s names for the same things, and
+    pdserve's older spellings (--input-len, --trace, ...) as aliases. Most are declared on
+    the configs they set (BenchConfig, RandomDatasetConfig, MultiTurnConfig, ArrivalConfig);
+    the others only shape the command line: where the server is, which API it speaks, where
+    the result goes and which CPUs the client runs on."""
+    _add_endpoint(parser)
+    add_options(parser, BenchConfig, only=("tokenize_url",))
+    add_options(parser, BenchConfig, only=("dataset_name",))
+    add_options(parser, MultiTurnConfig)
+    add_options(parser, BenchConfig, only=("trace_path", "use_trace_timing", "num_prompts"))
+    add_options(parser, RandomDatasetConfig)
+    add_options(parser, BenchConfig, only=("file_output_len", "ignore_eos", "temperature"))
+    add_options(parser, ArrivalConfig)
+    add_options(parser, BenchConfig, only=("max_concurrency", "seed", "num_warmups"))
+    add_options(parser, BenchConfig, only=("goodput", "label", "metadata"))
+    _add_output(group_titled(parser, OUTPUT_GROUP))
+    add_options(parser, BenchConfig, only=_SUMMARY)
+    _add_cpus(group_titled(parser, OUTPUT_GROUP))
 
 
-def _metric_list(text: str) -> tuple[str, ...]:
-    names = tuple(n.strip() for n in text.split(",") if n.strip())
-    if not names or any(n not in LATENCY_METRICS for n in names):
-        raise argparse.ArgumentTypeError(
-            f"not a list of metrics: {text!r} (use some of {','.join(LATENCY_METRICS)})"
-        )
-    return names
-
-
-def _percentile_list(text: str) -> tuple[float, ...]:
-    try:
-        qs = tuple(float(q) for q in text.split(",") if q.strip())
-    except ValueError:
-        qs = ()
-    if not qs or not all(0 <= q <= 100 for q in qs):
-        raise argparse.ArgumentTypeError(f"not a list of percentiles in 0..100: {text!r}")
-    return qs
+_SUMMARY = ("percentile_metrics", "metric_percentiles", "disable_tqdm")
 
 
 def _add_endpoint(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("endpoint")
-    g.add_argument(
-        "--base-url", default=None, metavar="URL", help="server URL (default: http://HOST:PORT)"
-    )
+    g = parser.add_argument_group(ENDPOINT_GROUP)
+    add_options(g, BenchConfig, only=("base_url",))
     g.add_argument(
         "--host", default="127.0.0.1", metavar="HOST", help="server host without --base-url"
     )
@@ -427,166 +552,10 @@ def _add_endpoint(parser: argparse.ArgumentParser) -> None:
         f"{COMPLETIONS_ENDPOINT}, openai-chat sends chat bodies to {CHAT_ENDPOINT} "
         "(default: what --endpoint implies)",
     )
-    g.add_argument(
-        "--endpoint",
-        default=None,
-        help=f"path of the API (default {COMPLETIONS_ENDPOINT}, or {CHAT_ENDPOINT} with "
-        "--backend openai-chat); a path ending in /chat/completions gets chat bodies",
-    )
-    g.add_argument("--model", default=None, help="model name sent; default: first of /v1/models")
-    g.add_argument(
-        "--api-key",
-        default=os.environ.get("OPENAI_API_KEY"),
-        help="bearer token (default: $OPENAI_API_KEY)",
-    )
-    g.add_argument(
-        "--request-timeout", type=float, default=300.0, help="seconds for one whole request"
-    )
-    g.add_argument(
-        "--tokenize-url",
-        default=None,
-        metavar="URL",
-        help="server whose POST /tokenize counts tokens for sharegpt lengths and random chat "
-        "text (default: --base-url; pdserve's router has none, give an instance's URL); "
-        "without one, 4 characters count as a token",
-    )
+    add_options(g, BenchConfig, only=("endpoint", "model", "api_key", "request_timeout_s"))
 
 
-def _add_workload(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("workload")
-    g.add_argument(
-        "--dataset-name",
-        choices=DATASETS,
-        default=None,
-        help="random: random token ids (text words for the chat API); sharegpt: vLLM's "
-        'ShareGPT JSON; custom: JSONL of {"prompt": ...}; trace: pdserve\'s JSONL trace; '
-        "multiturn: conversations with a shared system prompt growing turn by turn, token "
-        "ids written from --seed (default: trace with --dataset-path, else random)",
-    )
-    g.add_argument(
-        "--multiturn-system-len",
-        type=int,
-        default=512,
-        metavar="N",
-        help="multiturn: tokens of the shared system prompt",
-    )
-    g.add_argument(
-        "--multiturn-user-len",
-        type=int,
-        default=64,
-        metavar="N",
-        help="multiturn: tokens of each user message",
-    )
-    g.add_argument(
-        "--multiturn-turns",
-        type=int,
-        default=4,
-        metavar="N",
-        help="multiturn: turns per conversation (--num-prompts / N conversations); each "
-        "turn's reply in the history is --random-output-len tokens",
-    )
-    g.add_argument(
-        "--dataset-path",
-        "--trace",
-        type=Path,
-        default=None,
-        metavar="FILE",
-        help="file of the dataset",
-    )
-    g.add_argument(
-        "--ignore-trace-timing",
-        action="store_true",
-        help="use --request-rate even if the trace has arrival times",
-    )
-    g.add_argument(
-        "--num-prompts",
-        type=int,
-        metavar="N",
-        default=None,
-        help=f"requests to send (default {DEFAULT_NUM_PROMPTS} for random and sharegpt, "
-        "the whole file for trace and custom)",
-    )
-    g.add_argument(
-        "--random-input-len",
-        "--input-len",
-        dest="input_len",
-        type=int,
-        metavar="N",
-        default=1024,
-        help="random: prompt tokens (about that many with the chat API)",
-    )
-    g.add_argument(
-        "--random-output-len",
-        "--output-len",
-        dest="output_len",
-        type=int,
-        metavar="N",
-        default=128,
-        help="random: tokens to generate (max_tokens)",
-    )
-    g.add_argument(
-        "--random-range-ratio",
-        "--range-ratio",
-        dest="range_ratio",
-        type=float,
-        metavar="R",
-        default=0.0,
-        help="random: lengths uniform in [L(1-r), L(1+r)], 0 <= r < 1",
-    )
-    g.add_argument("--vocab-size", type=int, default=256, help="random: token ids are below this")
-    g.add_argument("--token-offset", type=int, default=10, help="random: lowest token id")
-    g.add_argument(
-        "--sharegpt-output-len",
-        "--custom-output-len",
-        dest="file_output_len",
-        type=int,
-        metavar="N",
-        default=None,
-        help="sharegpt: tokens to generate instead of the reply's length; custom: for every "
-        "line (default: the line's output_tokens or max_tokens, else 256)",
-    )
-    g.add_argument(
-        "--ignore-eos",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="ask the server to generate the full output length (default on)",
-    )
-    g.add_argument("--temperature", type=float, default=None, help="default: the server's")
-
-
-def _add_load(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("load")
-    g.add_argument(
-        "--request-rate", type=float, default=math.inf, help="req/s (default inf: all at once)"
-    )
-    g.add_argument(
-        "--burstiness", type=float, default=1.0, help="gamma shape of the gaps; 1: Poisson"
-    )
-    g.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight")
-    g.add_argument("--seed", type=int, default=0, help="seeds prompts, warm-ups and arrivals")
-    g.add_argument(
-        "--num-warmups", type=int, default=1, help="short requests sent first, not measured"
-    )
-
-
-def _add_output(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("output")
-    g.add_argument(
-        "--goodput",
-        nargs="+",
-        default=[],
-        metavar="NAME:MS",
-        help="SLOs for goodput, e.g. ttft:500 tpot:50",
-    )
-    g.add_argument("--label", default=None, help="name of the run (report series, file name)")
-    g.add_argument(
-        "--metadata",
-        nargs="*",
-        type=_key_value,
-        default=[],
-        metavar="KEY=VALUE",
-        help="labels saved with the result, e.g. mode=push",
-    )
+def _add_output(g: argparse._ArgumentGroup) -> None:
     g.add_argument(
         "--save-result",
         nargs="?",
@@ -609,23 +578,9 @@ def _add_output(parser: argparse.ArgumentParser) -> None:
         help="file name of the saved result (implies --save-result; default "
         "{label or backend}-{rate}qps[-concurrency{N}]-{model}-{date}.json)",
     )
-    g.add_argument(
-        "--percentile-metrics",
-        type=_metric_list,
-        default=LATENCY_METRICS,
-        metavar="LIST",
-        help="metrics shown in the summary, with their percentiles (default "
-        f"{','.join(LATENCY_METRICS)}; vLLM's is ttft,tpot,itl)",
-    )
-    g.add_argument(
-        "--metric-percentiles",
-        type=_percentile_list,
-        default=DEFAULT_PERCENTILES,
-        metavar="LIST",
-        help="percentiles shown and saved as p{q}_{metric}_ms (default 90,99; p90 and p99 "
-        "are always saved)",
-    )
-    g.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
+
+
+def _add_cpus(g: argparse._ArgumentGroup) -> None:
     g.add_argument(
         "--cpus",
         type=parse_cpu_list,
@@ -636,15 +591,6 @@ def _add_output(parser: argparse.ArgumentParser) -> None:
         "on the prefill instances' cores): a client the scheduler moves onto D's core "
         "delays D's steps and inflates the TPOT it measures",
     )
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Flags of `pdserve bench serve`: `vllm bench serve`'s names for the same things, and
-    pdserve's older spellings (--input-len, --trace, ...) as aliases."""
-    _add_endpoint(parser)
-    _add_workload(parser)
-    _add_load(parser)
-    _add_output(parser)
 
 
 def parse_cpu_list(text: str) -> frozenset[int]:
@@ -673,45 +619,15 @@ def _endpoint(args: argparse.Namespace) -> str:
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
     """BenchConfig from parsed flags; ValueError for an invalid combination."""
-    return BenchConfig(
+    return from_args(
+        BenchConfig,
+        args,
         base_url=args.base_url or f"http://{args.host}:{args.port}",
         endpoint=_endpoint(args),
-        model=args.model,
-        label=args.label,
-        dataset_name=args.dataset_name,
-        random=RandomDatasetConfig(
-            input_len=args.input_len,
-            output_len=args.output_len,
-            range_ratio=args.range_ratio,
-            vocab_size=args.vocab_size,
-            token_offset=args.token_offset,
-        ),
-        multiturn=MultiTurnConfig(
-            system_len=args.multiturn_system_len,
-            user_len=args.multiturn_user_len,
-            turns=args.multiturn_turns,
-            output_len=args.output_len,
-            vocab_size=args.vocab_size,
-            token_offset=args.token_offset,
-        ),
-        trace_path=args.dataset_path,
-        file_output_len=args.file_output_len,
-        tokenize_url=args.tokenize_url,
-        use_trace_timing=not args.ignore_trace_timing,
-        num_prompts=args.num_prompts,
-        arrivals=ArrivalConfig(request_rate=args.request_rate, burstiness=args.burstiness),
-        max_concurrency=args.max_concurrency,
-        seed=args.seed,
-        num_warmups=args.num_warmups,
+        random=from_args(RandomDatasetConfig, args),
+        multiturn=from_args(MultiTurnConfig, args),
+        arrivals=from_args(ArrivalConfig, args),
         goodput=tuple(parse_goodput(args.goodput).items()),
-        ignore_eos=args.ignore_eos,
-        temperature=args.temperature,
-        request_timeout_s=args.request_timeout,
-        api_key=args.api_key,
-        metadata=tuple(args.metadata),
-        disable_tqdm=args.disable_tqdm,
-        percentile_metrics=tuple(args.percentile_metrics),
-        metric_percentiles=tuple(args.metric_percentiles),
     )
 
 

@@ -41,7 +41,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Literal
 
 import httpx
 import msgspec
@@ -84,8 +83,10 @@ from pdserve.bench.soak_traffic import (
     poisson_arrivals,
     send,
 )
+from pdserve.config import TransferMode, TransportKind
 from pdserve.keepalive import client_limits
 from pdserve.launcher import Cluster, ClusterConfig, ClusterError
+from pdserve.options import add_options, from_args, option
 from pdserve.supervisor import Event, Supervisor, describe
 from pdserve.transfer.cluster_auth import route_headers
 
@@ -99,31 +100,69 @@ WARMUP_TOKENS = 4
 _TIMEOUT_MARGIN_S = 30.0  # the router's own bound sits above the client's
 
 
+def _kill_roles(text: str) -> tuple[KillRole, ...]:
+    roles = tuple(r.strip() for r in text.split(",") if r.strip())
+    if not roles or not set(roles) <= set(KILL_ROLES):
+        raise argparse.ArgumentTypeError(f"roles from {','.join(KILL_ROLES)}, got {text!r}")
+    return roles  # type: ignore[return-value]
+
+
 @dataclass(frozen=True)
 class SoakConfig:
     """One soak. `request_rate` None: derived from a warm-up request (see module doc)."""
 
-    mode: Literal["pull", "push"] = "push"
-    transport: Literal["tcp", "nixl"] = "tcp"
-    model: str = "builtin:small"
-    duration_s: float = 600.0
-    request_rate: float | None = None
-    target_load: float = 0.9
+    mode: TransferMode = option("push", help="P/D transfer mode (default: %(default)s)")
+    transport: TransportKind = option("tcp", help="KV transport (default: %(default)s)")
+    model: str = option("builtin:small", help="the instances' model (default: %(default)s)")
+    duration_s: float = 600.0  # `--duration-min` (minutes)
+    request_rate: float | None = option(
+        None, help="req/s (default: --target-load / warm-up latency)"
+    )
+    target_load: float = option(
+        0.9, help="without --request-rate: the rate is this over one warm-up request's latency"
+    )
     traffic: TrafficConfig = field(default_factory=TrafficConfig)
-    restart_at: float | None = 0.5  # fraction of duration_s; None: no restart
+    restart_at: float | None = option(  # fraction of duration_s; None: no restart
+        0.5, metavar="FRACTION", help="restart the prefill instance at this fraction of the run"
+    )
     # Kill mode: every kill_every_s a random process of kill_roles is SIGKILLed and the
     # supervised cluster restarts it (pdserve.bench.soak_kills); None: off. Excludes
     # restart_at.
-    kill_every_s: float | None = None
-    kill_roles: tuple[KillRole, ...] = KILL_ROLES
-    max_concurrency: int = 32
-    oracle_sample: float = 0.1
-    request_timeout_s: float = 120.0
-    drain_timeout_s: float = 150.0  # above D's default --kv-recv-timeout (120 s)
-    seed: int = 0
-    out_dir: Path = Path("results/soak")
+    kill_every_s: float | None = option(
+        None,
+        flag="--kill-every",
+        metavar="S",
+        help="kill mode: every S seconds, SIGKILL a random process of --kill-roles (drawn "
+        "with --seed) of a cluster supervised as by 'pdserve up', which restarts it; the "
+        "report adds the kills, restarts and processes not back. Replaces the single "
+        "prefill restart (--restart-at)",
+    )
+    kill_roles: tuple[KillRole, ...] = option(
+        KILL_ROLES,
+        parse=_kill_roles,
+        metavar="LIST",
+        help=f"roles the kill mode draws from, comma-separated (default: {','.join(KILL_ROLES)})",
+    )
+    max_concurrency: int = option(32, help="most requests in flight")
+    oracle_sample: float = option(
+        0.1,
+        metavar="FRACTION",
+        help="fraction of the completed requests replayed on a monolithic instance, whose "
+        "token ids must be the same",
+    )
+    request_timeout_s: float = option(
+        120.0, flag="--request-timeout", metavar="S", help="seconds for one whole request"
+    )
+    drain_timeout_s: float = option(  # above D's default --kv-recv-timeout (120 s)
+        150.0,
+        flag="--drain-timeout",
+        metavar="S",
+        help="after the traffic, wait at most this long for every instance to drain",
+    )
+    seed: int = option(0, help="seeds the traffic and the kills")
+    out_dir: Path = option(Path("results/soak"), help="the result and the cluster's logs")
     instance_args: tuple[str, ...] = ()
-    pin_cores: bool = True
+    pin_cores: bool = option(True, flag="--no-pin", help="do not pin instances to cores")
     progress: bool | None = None  # None: when stderr is a terminal
 
     def __post_init__(self) -> None:
@@ -534,94 +573,43 @@ def _log_event(event: Event) -> None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Flags of `pdserve bench soak`; everything after `--` goes to every instance."""
+    """Flags of `pdserve bench soak` (declared on `SoakConfig` and `TrafficConfig`);
+    everything after `--` goes to every instance."""
     d = SoakConfig()
-    t = d.traffic
     parser.add_argument("--duration-min", type=float, default=d.duration_s / 60)
-    parser.add_argument("--mode", choices=("pull", "push"), default=d.mode)
-    parser.add_argument("--transport", choices=("tcp", "nixl"), default=d.transport)
-    parser.add_argument("--model", default=d.model)
-    parser.add_argument(
-        "--request-rate", type=float, help="req/s (default: --target-load / warm-up latency)"
-    )
-    parser.add_argument("--target-load", type=float, default=d.target_load)
-    parser.add_argument(
-        "--input-len", type=int, nargs=2, default=t.input_len, metavar=("MIN", "MAX")
-    )
-    parser.add_argument(
-        "--output-len", type=int, nargs=2, default=t.output_len, metavar=("MIN", "MAX")
-    )
-    parser.add_argument("--abort-fraction", type=float, default=t.abort_fraction)
-    parser.add_argument(
-        "--abort-window",
-        type=float,
-        default=t.abort_window_s,
-        metavar="S",
-        help="a client abort comes at most this long after the send",
-    )
-    parser.add_argument("--restart-at", type=float, default=d.restart_at, metavar="FRACTION")
+    add_options(parser, SoakConfig, only=("mode", "transport", "model"))
+    add_options(parser, SoakConfig, only=("request_rate", "target_load"))
+    add_options(parser, TrafficConfig)
+    add_options(parser, SoakConfig, only=("restart_at",))
     parser.add_argument("--no-restart", action="store_true", help="no prefill restart")
-    parser.add_argument(
-        "--kill-every",
-        type=float,
-        metavar="S",
-        help="kill mode: every S seconds, SIGKILL a random process of --kill-roles (drawn "
-        "with --seed) of a cluster supervised as by 'pdserve up', which restarts it; the "
-        "report adds the kills, restarts and processes not back. Replaces the single "
-        "prefill restart (--restart-at)",
-    )
-    parser.add_argument(
-        "--kill-roles",
-        type=_kill_roles,
-        default=d.kill_roles,
-        metavar="LIST",
-        help=f"roles the kill mode draws from, comma-separated (default: {','.join(d.kill_roles)})",
-    )
-    parser.add_argument("--max-concurrency", type=int, default=d.max_concurrency)
-    parser.add_argument("--oracle-sample", type=float, default=d.oracle_sample, metavar="FRACTION")
-    parser.add_argument("--request-timeout", type=float, default=d.request_timeout_s, metavar="S")
-    parser.add_argument("--drain-timeout", type=float, default=d.drain_timeout_s, metavar="S")
-    parser.add_argument("--seed", type=int, default=d.seed)
-    parser.add_argument("--out-dir", type=Path, default=d.out_dir)
-    parser.add_argument("--no-pin", action="store_true", help="do not pin instances to cores")
+    add_options(parser, SoakConfig, only=_REST)
     parser.add_argument("--disable-tqdm", action="store_true")
     parser.add_argument("instance_args", nargs=argparse.REMAINDER, help="-- then instance flags")
 
 
-def _kill_roles(text: str) -> tuple[KillRole, ...]:
-    roles = tuple(r.strip() for r in text.split(",") if r.strip())
-    if not roles or not set(roles) <= set(KILL_ROLES):
-        raise argparse.ArgumentTypeError(f"roles from {','.join(KILL_ROLES)}, got {text!r}")
-    return roles  # type: ignore[return-value]
+_REST = (
+    "kill_every_s",
+    "kill_roles",
+    "max_concurrency",
+    "oracle_sample",
+    "request_timeout_s",
+    "drain_timeout_s",
+    "seed",
+    "out_dir",
+    "pin_cores",
+)
 
 
 def config_from_args(args: argparse.Namespace) -> SoakConfig:
     """SoakConfig of parsed flags; ValueError for an invalid combination."""
     extra = list(args.instance_args)
-    return SoakConfig(
-        mode=args.mode,
-        transport=args.transport,
-        model=args.model,
+    return from_args(
+        SoakConfig,
+        args,
         duration_s=args.duration_min * 60,
-        request_rate=args.request_rate,
-        target_load=args.target_load,
-        traffic=TrafficConfig(
-            input_len=tuple(args.input_len),
-            output_len=tuple(args.output_len),
-            abort_fraction=args.abort_fraction,
-            abort_window_s=args.abort_window,
-        ),
+        traffic=from_args(TrafficConfig, args),
         restart_at=None if args.no_restart or args.kill_every else args.restart_at,
-        kill_every_s=args.kill_every,
-        kill_roles=args.kill_roles,
-        max_concurrency=args.max_concurrency,
-        oracle_sample=args.oracle_sample,
-        request_timeout_s=args.request_timeout,
-        drain_timeout_s=args.drain_timeout,
-        seed=args.seed,
-        out_dir=args.out_dir,
         instance_args=tuple(extra[1:] if extra[:1] == ["--"] else extra),
-        pin_cores=not args.no_pin,
         progress=False if args.disable_tqdm else None,
     )
 

@@ -24,9 +24,10 @@ from typing import Literal
 import httpx
 import msgspec
 import numpy as np
-from httpx_sse import EventSource
 
 from pdserve.bench.soak_report import cause_of_exception, cause_of_http, cause_of_stream_error
+from pdserve.options import option
+from pdserve.sse import SseDecoder
 
 Status = Literal["completed", "aborted", "failed"]
 
@@ -35,10 +36,19 @@ Status = Literal["completed", "aborted", "failed"]
 class TrafficConfig:
     """Request mix: lengths uniform over inclusive ranges, a fraction aborted by the client."""
 
-    input_len: tuple[int, int] = (64, 1536)
-    output_len: tuple[int, int] = (8, 128)
-    abort_fraction: float = 0.2
-    abort_window_s: float = 8.0  # a timed abort point is uniform over [0, this]
+    input_len: tuple[int, int] = option(
+        (64, 1536), nargs=2, metavar=("MIN", "MAX"), help="prompt tokens, uniform in MIN..MAX"
+    )
+    output_len: tuple[int, int] = option(
+        (8, 128), nargs=2, metavar=("MIN", "MAX"), help="tokens to generate, uniform in MIN..MAX"
+    )
+    abort_fraction: float = option(0.2, help="fraction of the requests the client aborts")
+    abort_window_s: float = option(  # a timed abort point is uniform over [0, this]
+        8.0,
+        flag="--abort-window",
+        metavar="S",
+        help="a client abort comes at most this long after the send",
+    )
     token_ids: tuple[int, int] = (10, 256)  # prompt ids uniform over [lo, hi)
 
     def __post_init__(self) -> None:
@@ -137,7 +147,8 @@ class _Completion(msgspec.Struct):
 
 class _StreamChunk(msgspec.Struct):
     choices: list[msgspec.Raw] = msgspec.field(default_factory=list)
-    error: msgspec.Raw | None = None
+    # Raw, not `Raw | None`: msgspec refuses an object for that union. Empty: no error.
+    error: msgspec.Raw = msgspec.Raw()
 
 
 _COMPLETION = msgspec.json.Decoder(_Completion)
@@ -184,19 +195,26 @@ async def _stream_until_abort(
         if resp.status_code != 200:
             body = await resp.aread()
             raise _Failed(cause_of_http(resp.status_code, body), body.decode(errors="replace"))
-        # httpx-sse, not aiter_lines: that also splits at U+2028/U+2029/U+0085 inside JSON.
-        async for event in EventSource(resp).aiter_sse():
-            data = event.data
-            if data == "[DONE]":
-                return True
-            chunk = _CHUNK.decode(data)
-            if chunk.error is not None:
-                raise _Failed(cause_of_stream_error(bytes(chunk.error)), data)
-            if chunk.choices:
-                seen[0] += 1
-                if seen[0] >= (req.abort_after_tokens or 0):
+        # pdserve.sse, not aiter_lines: that also splits at U+2028/U+2029/U+0085 inside JSON.
+        decoder = SseDecoder()
+        async for raw in resp.aiter_bytes():
+            for data in decoder.feed(raw):
+                if data == "[DONE]":
+                    return True
+                if not _counts_token(data, seen, req):
                     return False
     raise _Failed("stream ended before [DONE]", f"after {seen[0]} token chunks")
+
+
+def _counts_token(data: str, seen: list[int], req: SoakRequest) -> bool:
+    """Count one stream event's token chunk in `seen[0]`; False once the abort point is
+    reached. An error event fails the request (`_Failed`)."""
+    chunk = _CHUNK.decode(data)
+    if len(chunk.error) and bytes(chunk.error) != b"null":
+        raise _Failed(cause_of_stream_error(bytes(chunk.error)), data)
+    if chunk.choices:
+        seen[0] += 1
+    return not (chunk.choices and seen[0] >= (req.abort_after_tokens or 0))
 
 
 async def _send_aborted(

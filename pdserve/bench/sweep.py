@@ -55,7 +55,9 @@ from pdserve.bench.sweep_report import (
     summary_text,
     write_sweep_report,
 )
+from pdserve.config import TransportKind
 from pdserve.launcher import Cluster, ClusterConfig, ClusterError, assign_cores
+from pdserve.options import add_options, from_args, group_titled, option
 
 # mono1: one monolithic instance on the prefill instance's core(s) alone, so its TTFT has P's
 # compute and no transfer: the floor that issue 8's light-load TTFT target compares push with.
@@ -63,10 +65,27 @@ MONO1 = "mono1"
 LOCAL_MODES = ("pull", "push", "monolithic", MONO1)
 DEFAULT_MODES = ("pull", "push", "monolithic")
 # builtin:small on one core: prefill from ~0.1 (1024 at 0.5 req/s) to ~6 (4096 at 4 req/s)
+GRID_GROUP, ENDPOINTS_GROUP = "grid", "endpoints"  # `--help`'s groups
+OUTPUT_GROUP = "utilisation and output"
 DEFAULT_INPUT_LENS = (1024, 2048, 4096)
 DEFAULT_RATES = (0.5, 1.0, 2.0, 4.0)
 WARMUP_PROMPTS_PER_LEN = 2
 WARMUP_OUTPUT_LEN = 8
+
+
+def _mode_url(item: str) -> tuple[str, str]:
+    mode, sep, url = item.partition("=")
+    if not sep or not mode.strip() or not url.strip():
+        raise argparse.ArgumentTypeError(f"expected MODE=URL, got {item!r}")
+    return mode.strip(), url.strip()
+
+
+def _len_tok_s(item: str) -> tuple[int, float]:
+    length, _, tok_s = item.partition("=")
+    try:
+        return int(length), float(tok_s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected LEN=TOKENS_PER_S, got {item!r}") from None
 
 
 @dataclass(frozen=True)
@@ -76,24 +95,110 @@ class SweepConfig:
     tokens/s) gives the prefill capacity instead of measuring it; `calibrate=False` and
     no `prefill_tok_s`: no utilisation column."""
 
-    out_dir: Path
-    input_lens: tuple[int, ...] = DEFAULT_INPUT_LENS
-    rates: tuple[float, ...] = DEFAULT_RATES
-    modes: tuple[str, ...] = DEFAULT_MODES
-    output_len: int = 64
-    num_prompts: int = 32
-    model: str = "builtin:small"
-    transport: str = "tcp"
-    base_urls: tuple[tuple[str, str], ...] = ()
-    seed: int = 0
-    burstiness: float = 1.0
-    num_warmups: int = 1
-    request_timeout_s: float = 300.0
+    out_dir: Path = option(
+        flag="--out-dir",
+        required=False,
+        group=OUTPUT_GROUP,
+        help="default: results/sweep-<date>-<time>",
+    )
+    input_lens: tuple[int, ...] = option(
+        DEFAULT_INPUT_LENS,
+        flag="--input-len",
+        nargs="+",
+        group=GRID_GROUP,
+        metavar="TOKENS",
+        help="prompt lengths of the grid, random tokens (default: %(default)s)",
+    )
+    rates: tuple[float, ...] = option(
+        DEFAULT_RATES,
+        flag="--request-rate",
+        nargs="+",
+        group=GRID_GROUP,
+        metavar="REQ_S",
+        help="mean arrival rates of the grid, req/s (default: %(default)s)",
+    )
+    modes: tuple[str, ...] = option(
+        DEFAULT_MODES,
+        nargs="+",
+        group=GRID_GROUP,
+        metavar="MODE",
+        help="clusters to compare: pull, push (1P1D + router), monolithic (one instance on "
+        "every core), mono1 (one instance on P's core only: the light-load TTFT floor), or "
+        "any name given a --base-url (default: %(default)s)",
+    )
+    output_len: int = option(
+        64,
+        group=GRID_GROUP,
+        metavar="TOKENS",
+        help="tokens to generate per request (default: %(default)s)",
+    )
+    num_prompts: int = option(
+        32, group=GRID_GROUP, help="requests per point (default: %(default)s)"
+    )
+    model: str = option(
+        "builtin:small",
+        group=ENDPOINTS_GROUP,
+        help="of the local clusters: builtin:tiny|small or a checkpoint directory "
+        "(default: %(default)s)",
+    )
+    transport: TransportKind = option(
+        "tcp",
+        group=ENDPOINTS_GROUP,
+        help="KV transport of the local P/D clusters (default: %(default)s)",
+    )
+    base_urls: tuple[tuple[str, str], ...] = option(
+        (),
+        flag="--base-url",
+        nargs="+",
+        parse=_mode_url,
+        group=ENDPOINTS_GROUP,
+        metavar="MODE=URL",
+        help="use this running endpoint for MODE instead of starting a cluster",
+    )
+    seed: int = option(
+        0,
+        group=GRID_GROUP,
+        help="prompts and arrivals; every mode gets the same ones (default: %(default)s)",
+    )
+    burstiness: float = option(
+        1.0,
+        group=GRID_GROUP,
+        help="gamma shape of the inter-arrival times; 1: Poisson (default: %(default)s)",
+    )
+    num_warmups: int = option(
+        1,
+        group=GRID_GROUP,
+        help="requests per point before the measured ones (default: %(default)s)",
+    )
+    request_timeout_s: float = option(
+        300.0,
+        flag="--request-timeout",
+        group=GRID_GROUP,
+        metavar="S",
+        help="a request still unanswered after S seconds counts as failed (default: %(default)s)",
+    )
     instance_args: tuple[str, ...] = ()
-    calibrate: bool = True
-    prefill_tok_s: tuple[tuple[int, float], ...] = ()
-    interleave: bool = False  # all modes up at once, alternating at each point
-    disable_tqdm: bool = False
+    calibrate: bool = option(
+        True, flag="--no-calibrate", group=OUTPUT_GROUP, help="no utilisation column"
+    )
+    prefill_tok_s: tuple[tuple[int, float], ...] = option(
+        (),
+        flag="--prefill-capacity",
+        nargs="+",
+        parse=_len_tok_s,
+        group=OUTPUT_GROUP,
+        metavar="LEN=TOK_S",
+        help="prefill tokens/s of the P instance by input length (default: measured)",
+    )
+    interleave: bool = option(  # all modes up at once, alternating at each point
+        False,
+        group=GRID_GROUP,
+        help="start every mode's cluster at once and run the modes in turn at each point "
+        "(default: one mode after the other, one cluster at a time)",
+    )
+    disable_tqdm: bool = option(
+        False, group=OUTPUT_GROUP, help="no per-request bar (off unless a terminal)"
+    )
 
     def __post_init__(self) -> None:
         if not self.input_lens or not self.rates or not self.modes:
@@ -432,128 +537,30 @@ def _manifest(cfg: SweepConfig, command: str) -> SweepManifest:
 # -- the `pdserve bench sweep` command -------------------------------------------------------
 
 
-def _mode_url(item: str) -> tuple[str, str]:
-    mode, sep, url = item.partition("=")
-    if not sep or not mode.strip() or not url.strip():
-        raise argparse.ArgumentTypeError(f"expected MODE=URL, got {item!r}")
-    return mode.strip(), url.strip()
-
-
-def _len_tok_s(item: str) -> tuple[int, float]:
-    length, _, tok_s = item.partition("=")
-    try:
-        return int(length), float(tok_s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected LEN=TOKENS_PER_S, got {item!r}") from None
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Flags of `pdserve bench sweep`; everything after `--` goes to every local instance."""
-    grid = parser.add_argument_group("grid")
-    grid.add_argument(
-        "--input-len",
-        type=int,
-        nargs="+",
-        default=list(DEFAULT_INPUT_LENS),
-        metavar="TOKENS",
-        help="prompt lengths of the grid, random tokens (default: %(default)s)",
-    )
-    grid.add_argument(
-        "--request-rate",
-        type=float,
-        nargs="+",
-        default=list(DEFAULT_RATES),
-        metavar="REQ_S",
-        help="mean arrival rates of the grid, req/s (default: %(default)s)",
-    )
-    grid.add_argument(
-        "--modes",
-        nargs="+",
-        default=list(DEFAULT_MODES),
-        metavar="MODE",
-        help="clusters to compare: pull, push (1P1D + router), monolithic (one instance on "
-        "every core), mono1 (one instance on P's core only: the light-load TTFT floor), or "
-        "any name given a --base-url (default: %(default)s)",
-    )
-    grid.add_argument(
-        "--output-len", type=int, default=64, metavar="TOKENS", help="(default: %(default)s)"
-    )
-    grid.add_argument(
-        "--num-prompts", type=int, default=32, help="requests per point (default: %(default)s)"
-    )
-    grid.add_argument(
-        "--burstiness",
-        type=float,
-        default=1.0,
-        help="gamma shape of the inter-arrival times; 1: Poisson (default: %(default)s)",
-    )
-    grid.add_argument(
-        "--seed",
-        type=int,
-        default=0,
-        help="prompts and arrivals; every mode gets the same ones (default: %(default)s)",
-    )
-    grid.add_argument(
-        "--num-warmups",
-        type=int,
-        default=1,
-        help="requests per point before the measured ones (default: %(default)s)",
-    )
-    grid.add_argument(
-        "--request-timeout",
-        type=float,
-        default=300.0,
-        metavar="S",
-        help="a request still unanswered after S seconds counts as failed (default: %(default)s)",
-    )
-    grid.add_argument(
-        "--interleave",
-        action="store_true",
-        help="start every mode's cluster at once and run the modes in turn at each point "
-        "(default: one mode after the other, one cluster at a time)",
-    )
-
-    where = parser.add_argument_group("endpoints")
-    where.add_argument(
-        "--model",
-        default="builtin:small",
-        help="of the local clusters: builtin:tiny|small or a checkpoint directory "
-        "(default: %(default)s)",
-    )
-    where.add_argument(
-        "--transport",
-        choices=("tcp", "nixl"),
-        default="tcp",
-        help="KV transport of the local P/D clusters (default: %(default)s)",
-    )
-    where.add_argument(
-        "--base-url",
-        nargs="+",
-        type=_mode_url,
-        default=[],
-        metavar="MODE=URL",
-        help="use this running endpoint for MODE instead of starting a cluster",
-    )
-    where.add_argument(
+    """Flags of `pdserve bench sweep` (declared on `SweepConfig`); everything after `--` goes
+    to every local instance."""
+    add_options(parser, SweepConfig, only=_GRID)
+    add_options(parser, SweepConfig, only=("model", "transport", "base_urls"))
+    group_titled(parser, ENDPOINTS_GROUP).add_argument(
         "instance_args", nargs=argparse.REMAINDER, help="-- then extra arguments for instances"
     )
+    add_options(parser, SweepConfig, only=_OUTPUT)
 
-    out = parser.add_argument_group("utilisation and output")
-    out.add_argument(
-        "--prefill-capacity",
-        nargs="+",
-        type=_len_tok_s,
-        default=[],
-        metavar="LEN=TOK_S",
-        help="prefill tokens/s of the P instance by input length (default: measured)",
-    )
-    out.add_argument("--no-calibrate", action="store_true", help="no utilisation column")
-    out.add_argument(
-        "--out-dir", type=Path, default=None, help="default: results/sweep-<date>-<time>"
-    )
-    out.add_argument(
-        "--disable-tqdm", action="store_true", help="no per-request bar (off unless a terminal)"
-    )
+
+_GRID = (
+    "input_lens",
+    "rates",
+    "modes",
+    "output_len",
+    "num_prompts",
+    "burstiness",
+    "seed",
+    "num_warmups",
+    "request_timeout_s",
+    "interleave",
+)
+_OUTPUT = ("prefill_tok_s", "calibrate", "out_dir", "disable_tqdm")
 
 
 def config_from_args(args: argparse.Namespace) -> SweepConfig:
@@ -562,24 +569,11 @@ def config_from_args(args: argparse.Namespace) -> SweepConfig:
     if extra[:1] == ["--"]:
         extra = extra[1:]
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
-    return SweepConfig(
+    return from_args(
+        SweepConfig,
+        args,
         out_dir=args.out_dir or Path("results") / f"sweep-{stamp}",
-        input_lens=tuple(args.input_len),
-        rates=tuple(args.request_rate),
-        modes=tuple(args.modes),
-        output_len=args.output_len,
-        num_prompts=args.num_prompts,
-        model=args.model,
-        transport=args.transport,
-        base_urls=tuple(args.base_url),
-        seed=args.seed,
-        burstiness=args.burstiness,
-        num_warmups=args.num_warmups,
-        request_timeout_s=args.request_timeout,
         instance_args=tuple(extra),
-        calibrate=not args.no_calibrate,
-        prefill_tok_s=tuple(args.prefill_capacity),
-        interleave=args.interleave,
         disable_tqdm=args.disable_tqdm or not sys.stderr.isatty(),
     )
 

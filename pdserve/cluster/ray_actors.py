@@ -26,6 +26,7 @@ from typing import Any, Literal
 import httpx
 
 from pdserve.cluster.registry import InstanceRecord, Registry
+from pdserve.faults import NO_FAULTS, Faults
 from pdserve.launcher import TOKEN_ENV
 from pdserve.ports import bind_socket, free_ports
 from pdserve.router.membership import Membership
@@ -48,6 +49,7 @@ class InstanceActorSpec:
     threads: int
     extra_args: tuple[str, ...] = ()
     startup_timeout_s: float = 300.0
+    faults: Faults = NO_FAULTS  # tests only (pdserve.faults)
 
     def serve_argv(self, host: str, port: int, side_port: int) -> list[str]:
         argv = ["--role", self.role, "--host", host, "--port", str(port)]
@@ -87,7 +89,7 @@ class InstanceHost:
         port, side_port = free_ports(2, host)
         args = _serve_args(spec.serve_argv(host, port, side_port))
         self.url = f"http://{host}:{port}"
-        server = threading.Thread(target=serve_main, args=(args,), name="pdserve-serve")
+        server = threading.Thread(target=serve_main, args=(args, spec.faults), name="pdserve-serve")
         server.start()
         threading.Thread(target=_exit_after, args=(server,), daemon=True).start()
         _wait_serving(self.url, server, spec.startup_timeout_s)
@@ -172,7 +174,7 @@ class RouterHost:
     def __init__(self, spec: RouterActorSpec, cluster_token: str, registry: Any) -> None:
         import ray
 
-        from pdserve.server.serve import LISTEN_BACKLOG
+        from pdserve.httpd.bootstrap import LISTEN_BACKLOG
 
         records = ray.get(registry.records.remote())
         config = _router_config(spec, cluster_token, records)

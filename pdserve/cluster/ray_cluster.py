@@ -34,9 +34,11 @@ from pdserve.cluster.ray_actors import (
     RouterActorSpec,
     remote_classes,
 )
-from pdserve.cluster.ray_local import RayConnection, connect, disconnect
+from pdserve.cluster.ray_local import RAY_GROUP, RayConnection, connect, disconnect
 from pdserve.cluster.registry import InstanceRecord
+from pdserve.faults import NO_FAULTS, Faults
 from pdserve.launcher import ClusterConfig
+from pdserve.options import from_flag, option
 from pdserve.server.load_report import LoadReport
 from pdserve.transfer.cluster_auth import route_headers
 
@@ -53,9 +55,15 @@ class RayClusterConfig:
 
     cluster: ClusterConfig
     connection: RayConnection = field(default_factory=RayConnection)
-    actor_cpus: float = 1.0
-    max_restarts: int = 3
+    actor_cpus: float = option(
+        1.0,
+        group=RAY_GROUP,
+        metavar="N",
+        help="CPUs each instance actor asks for (default: %(default)s; also its --threads)",
+    )
+    max_restarts: int = from_flag("--max-restarts", 3)  # `pdserve up`'s, for each actor
     drain_timeout_s: float = 120.0
+    faults: Faults = NO_FAULTS  # tests only (pdserve.faults): injected into every instance
 
 
 @dataclass
@@ -223,6 +231,7 @@ class RayCluster:
             threads=max(1, math.floor(self.config.actor_cpus)),
             extra_args=c.instance_args,
             startup_timeout_s=c.startup_timeout_s,
+            faults=self.config.faults,
         )
         node = self._preferred_node(role, index)
         options: dict[str, Any] = {

@@ -21,6 +21,10 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from pdserve.options import option
+
+RAY_GROUP = "ray"  # where `pdserve up --help` lists the Ray flags
+
 LOOPBACK = "127.0.0.1"
 RAY_TOKEN_ENV = "RAY_AUTH_TOKEN"
 
@@ -29,8 +33,21 @@ RAY_TOKEN_ENV = "RAY_AUTH_TOKEN"
 class RayConnection:
     """How `pdserve up --ray` reaches Ray."""
 
-    address: str | None = None  # a running cluster ("host:port"); None: start a local one
-    num_cpus: int | None = None  # a local cluster's CPUs (None: Ray's count)
+    address: str | None = option(  # a running cluster ("host:port"); None: start a local one
+        None,
+        flag="--ray-address",
+        group=RAY_GROUP,
+        metavar="ADDRESS",
+        help="join this running Ray cluster (host:port of its GCS); without it a local, "
+        "loopback-only one is started and stopped with the cluster",
+    )
+    num_cpus: int | None = option(  # a local cluster's CPUs (None: Ray's count)
+        None,
+        flag="--ray-num-cpus",
+        group=RAY_GROUP,
+        metavar="N",
+        help="CPUs of the local Ray cluster (default: Ray's count)",
+    )
     temp_dir: Path | None = None  # a local cluster's session folder (None: Ray's default)
     namespace: str = "pdserve"
 

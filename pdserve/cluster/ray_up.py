@@ -16,24 +16,13 @@ import sys
 import threading
 import time
 
-from pdserve.cluster.ray_args import planner_config_from_args
-from pdserve.cluster.ray_cluster import RayCluster, RayClusterConfig
-from pdserve.cluster.ray_local import RayConnection
+from pdserve.cluster.ray_args import planner_config_from_args, ray_config_from_args
+from pdserve.cluster.ray_cluster import RayCluster
 from pdserve.cluster.registry import InstanceRecord
-from pdserve.launcher import TOKEN_ENV, config_from_args
+from pdserve.launcher import TOKEN_ENV
 
 WATCH_INTERVAL_S = 1.0
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-
-
-def ray_config_from_args(args: argparse.Namespace) -> RayClusterConfig:
-    """The `RayClusterConfig` of parsed `pdserve up --ray` flags."""
-    return RayClusterConfig(
-        cluster=config_from_args(args),
-        connection=RayConnection(address=args.ray_address, num_cpus=args.ray_num_cpus),
-        actor_cpus=args.actor_cpus,
-        max_restarts=args.max_restarts,
-    )
 
 
 def main(args: argparse.Namespace) -> int:

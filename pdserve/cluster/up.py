@@ -11,7 +11,7 @@ import argparse
 import sys
 
 from pdserve import launcher
-from pdserve.cluster import ray_args
+from pdserve.cluster import local_up, ray_args
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -29,4 +29,4 @@ def main(args: argparse.Namespace) -> int:
     if args.planner or args.ray_address:
         print("pdserve up: --planner and --ray-address need --ray", file=sys.stderr)
         return 2
-    return launcher.main(args)
+    return local_up.main(args)

@@ -27,8 +27,10 @@ from collections.abc import AsyncIterator, Callable
 
 import msgspec
 
+from pdserve.engine.commands import Abort, Add, Command, Release, Stop
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.handle import EngineDeadError, EngineInfo
+from pdserve.engine.loop import EngineLoop
 from pdserve.engine.sinks import Sinks
 from pdserve.engine.types import (
     EngineRequest,
@@ -37,22 +39,12 @@ from pdserve.engine.types import (
     LiveRequest,
     RequestOutput,
 )
-from pdserve.transfer.hoptrace import hop
+from pdserve.tracelog import hop
 from pdserve.transfer.params import KVTransferParams
 from pdserve.transfer.release import ReleaseAuth, check_release
 from pdserve.transfer.stats import ConnectorMetrics
 
 __all__ = ["AsyncEngine", "EngineDeadError"]
-
-
-class _Abort(msgspec.Struct, frozen=True):
-    request_id: str
-
-
-class _Release(msgspec.Struct, frozen=True):
-    """The router's release of a transfer (`release_transfer`)."""
-
-    transfer_id: str
 
 
 class _Wake(msgspec.Struct, frozen=True):
@@ -64,23 +56,19 @@ FLUSH_S = 0.002
 
 
 class AsyncEngine:
-    """Runs `LLMEngine.step()` in a dedicated thread and streams outputs to asyncio callers
-    (an `EngineHandle`). `engine` is for tests and the engine thread: the front end goes
-    through the handle's methods only."""
+    """Runs the engine loop (pdserve.engine.loop) in a dedicated thread and streams outputs
+    to asyncio callers (an `EngineHandle`); it is the loop's `LoopIO`. `engine` is for tests
+    and the engine thread: the front end goes through the handle's methods only."""
 
     def __init__(self, engine: LLMEngine, flush_s: float = FLUSH_S) -> None:
         self.engine = engine
         self.info: EngineInfo = engine.info()
         self.tokenizer = engine.tokenizer
         self.flush_s = flush_s
-        self._inbox: queue.SimpleQueue[EngineRequest | _Abort | _Release | _Wake | None] = (
-            queue.SimpleQueue()
-        )
-        if engine.connector is not None:
-            engine.connector.wake = lambda: self._inbox.put(_Wake())
-        engine.early_outputs = self._deliver_handoff  # called on the engine thread, mid-step
+        self._inbox: queue.SimpleQueue[Command | _Wake] = queue.SimpleQueue()
         self._sinks = Sinks()
-        self._thread = threading.Thread(target=self._run, name="pdserve-engine", daemon=True)
+        loop = EngineLoop(engine, self)
+        self._thread = threading.Thread(target=loop.run, name="pdserve-engine", daemon=True)
         self._stopping = threading.Event()
         self.error: BaseException | None = None
 
@@ -93,7 +81,7 @@ class AsyncEngine:
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the engine thread; in-flight requests end with ABORT."""
         self._stopping.set()
-        self._inbox.put(None)
+        self._inbox.put(Stop())
         if self._thread.is_alive():
             self._thread.join(timeout)
 
@@ -113,11 +101,11 @@ class AsyncEngine:
     def _submit(self, request: EngineRequest) -> None:
         if not self.is_alive:
             raise EngineDeadError(f"engine is not running: {self.error!r}")
-        self._inbox.put(request)
+        self._inbox.put(Add(request))
 
     def abort(self, request_id: str) -> None:
         """Abort a request from any thread; its stream ends with FinishReason.ABORT."""
-        self._inbox.put(_Abort(request_id))
+        self._inbox.put(Abort(request_id))
 
     def stats(self) -> EngineStats:
         """A snapshot of queue and KV-block counters (read without locking: ints only)."""
@@ -149,45 +137,50 @@ class AsyncEngine:
 
     def release_transfer(self, transfer_id: str) -> None:
         """Queue the router's release for the engine thread (any thread)."""
-        self._inbox.put(_Release(transfer_id))
+        self._inbox.put(Release(transfer_id))
 
-    # -- engine thread ---------------------------------------------------------------------
-    def _run(self) -> None:
-        try:
-            while not self._stopping.is_set():
-                if not self._drain_inbox(block=not self.engine.has_work()):
-                    break
-                self._deliver_handoff(self.engine.poll_connector())
-                if self.engine.has_work():
-                    outputs = self.engine.step()
-                    if any(o.finished and o.kv_transfer_params is not None for o in outputs):
-                        self._deliver_handoff(outputs)  # P: prefill legs done
-                    else:
-                        self._deliver(outputs)
-        except BaseException as exc:  # a dead engine must not look alive
-            self.error = exc
-            raise
-        finally:
-            self._fail_all()
-            self.engine.close()
+    # -- the engine loop's side (LoopIO; the engine thread calls all but `wake`) ----------
+    def running(self) -> bool:
+        return not self._stopping.is_set()
 
-    def _drain_inbox(self, block: bool) -> bool:
-        """Apply queued adds/aborts; returns False when asked to stop."""
+    def receive(self, block: bool) -> list[Command]:
+        """Queued commands; when `block`, waits up to half a second for one (or a wake-up)."""
+        commands: list[Command] = []
         while True:
             try:
                 item = self._inbox.get(block=block, timeout=0.5 if block else None)
             except queue.Empty:
-                return not self._stopping.is_set()
+                return commands
             block = False
-            if item is None:
-                return False
-            if isinstance(item, _Abort):
-                self._deliver(self.engine.abort_request(item.request_id))
-            elif isinstance(item, _Release):
-                self.engine.release_transfer(item.transfer_id)
-            elif isinstance(item, EngineRequest):
-                hop(item.request_id, "d.engine_add")
-                self._deliver(self.engine.add_request(item))
+            if not isinstance(item, _Wake):
+                commands.append(item)
+            if isinstance(item, Stop):
+                return commands
+
+    def deliver(self, outputs: list[RequestOutput]) -> None:
+        self._deliver(outputs)
+
+    def handoff(self, outputs: list[RequestOutput]) -> None:
+        self._deliver_handoff(outputs)
+
+    def stepped(self, outputs: list[RequestOutput]) -> None:
+        if any(o.finished and o.kv_transfer_params is not None for o in outputs):
+            self._deliver_handoff(outputs)  # P: prefill legs done
+        else:
+            self._deliver(outputs)
+
+    def idle(self) -> None:
+        pass
+
+    def wake(self) -> None:
+        self._inbox.put(_Wake())
+
+    def finish(self, error: BaseException | None) -> None:
+        self.error = error
+        if error is not None:
+            self._sinks.fail_all(f"engine stopped: {error!r}", FinishReason.ERROR)
+        else:
+            self._sinks.fail_all("engine shut down", FinishReason.ABORT)
 
     def _deliver(self, outputs: list[RequestOutput]) -> set[asyncio.AbstractEventLoop]:
         """Hand `outputs` to their requests' loops (one wake-up per loop and step,
@@ -211,12 +204,6 @@ class AsyncEngine:
         for _ in loops:
             if not sent.acquire(timeout=max(0.0, deadline - time.monotonic())):
                 return
-
-    def _fail_all(self) -> None:
-        if self.error:
-            self._sinks.fail_all(f"engine stopped: {self.error!r}", FinishReason.ERROR)
-        else:
-            self._sinks.fail_all("engine shut down", FinishReason.ABORT)
 
 
 def _after_consumers(loop: asyncio.AbstractEventLoop, done: Callable[[], None]) -> None:

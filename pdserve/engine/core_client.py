@@ -30,18 +30,8 @@ import msgspec
 import zmq
 
 from pdserve.config import ConnectorConfig, EngineConfig, TransportConfig
-from pdserve.engine.core_protocol import (
-    Abort,
-    Add,
-    Codec,
-    CoreSpec,
-    Ready,
-    Release,
-    Snapshot,
-    StartFailed,
-    Step,
-    Stop,
-)
+from pdserve.engine.commands import Abort, Add, Release, Stop
+from pdserve.engine.core_protocol import Codec, CoreSpec, Ready, Snapshot, StartFailed, Step
 from pdserve.engine.handle import EngineDeadError, EngineInfo
 from pdserve.engine.sinks import Sinks
 from pdserve.engine.types import (

@@ -8,10 +8,9 @@ Ownership: this process owns the engine, its scheduler, the KV cache, every KV b
 connector (side channel, transport, writer threads). The front end owns the HTTP side and
 its requests' streams; it only sends `Add`/`Abort`/`Release`/`Stop` and reads `Step`s.
 
-The loop, on the main thread: wait for a message or a connector wake-up (no wait while there
-is work), apply adds and aborts, hand over what the connector finished (KV arrived, a
-prefill leg's answer) at once, run one step, send its outputs. Outputs made between two
-layers of a step (`early_outputs`: a handoff) are sent as soon as they exist. A `Snapshot`
+The engine loop (pdserve.engine.loop, the same as in-thread) runs on the main thread with
+`Core` as its side: commands are the ZMQ messages, a connector wake-up writes a pipe the
+poller watches, and every output is sent as soon as the loop hands it over. A `Snapshot`
 rides along at most every `SNAPSHOT_S` while busy, and whenever the engine goes idle with a
 state the front end has not seen.
 
@@ -33,19 +32,10 @@ from collections.abc import Callable
 
 import zmq
 
-from pdserve.engine.core_protocol import (
-    Abort,
-    Add,
-    Codec,
-    CoreSpec,
-    Ready,
-    Release,
-    Snapshot,
-    StartFailed,
-    Step,
-    Stop,
-)
+from pdserve.engine.commands import Command, Stop
+from pdserve.engine.core_protocol import Codec, CoreSpec, Ready, Snapshot, StartFailed, Step
 from pdserve.engine.engine import LLMEngine
+from pdserve.engine.loop import EngineLoop
 from pdserve.engine.types import RequestOutput
 from pdserve.ports import EXIT_ADDRESS_IN_USE, is_address_in_use
 
@@ -106,7 +96,7 @@ def _build(spec: CoreSpec, outbox: zmq.Socket, codec: Codec) -> LLMEngine | int:
 
 
 class Core:
-    """The engine loop of a core process (module doc)."""
+    """An engine core process's side of the engine loop (module doc)."""
 
     def __init__(
         self,
@@ -123,9 +113,7 @@ class Core:
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
-        if engine.connector is not None:
-            engine.connector.wake = self._wake
-        engine.early_outputs = self._send  # mid-step handoffs leave at once
+        self._loop = EngineLoop(engine, self)
         self._poller = zmq.Poller()
         self._poller.register(inbox, zmq.POLLIN)
         self._poller.register(self._wake_r, zmq.POLLIN)
@@ -133,23 +121,51 @@ class Core:
         self._snapshot_at = 0.0
         signal.signal(signal.SIGTERM, self._on_sigterm)
 
-    # -- the loop ------------------------------------------------------------------------
     def run(self) -> None:
         """Serve until `Stop`, SIGTERM or the front end's death; then abort what runs."""
         try:
-            while not self.stopping and os.getppid() == self.parent:
-                self._wait(0 if self.engine.has_work() else IDLE_POLL_MS)
-                self._send(self._apply_inbox() + self.engine.poll_connector())
-                if self.engine.has_work():
-                    outputs = self.engine.step()
-                    self._send(outputs, with_snapshot=self._snapshot_due())
-                elif self._changed():
-                    self._send([], with_snapshot=True)
+            self._loop.run()
         finally:
-            self._abort_all()
-            self.engine.close()
             os.close(self._wake_r)
             os.close(self._wake_w)
+
+    # -- the engine loop's side (LoopIO; the main thread calls all but `wake`) -------------
+    def running(self) -> bool:
+        return not self.stopping and os.getppid() == self.parent
+
+    def receive(self, block: bool) -> list[Command]:
+        """The messages that came; when `block`, waits up to `IDLE_POLL_MS` for one (or a
+        wake-up) first."""
+        self._wait(IDLE_POLL_MS if block else 0)
+        commands: list[Command] = []
+        while True:
+            try:
+                raw = self.inbox.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return commands
+            commands.append(self.codec.to_core.decode(raw))
+            if isinstance(commands[-1], Stop):
+                self.stopping = True
+                return commands
+
+    def deliver(self, outputs: list[RequestOutput]) -> None:
+        self._send(outputs)
+
+    def handoff(self, outputs: list[RequestOutput]) -> None:
+        self._send(outputs)  # mid-step handoffs leave at once
+
+    def stepped(self, outputs: list[RequestOutput]) -> None:
+        self._send(outputs, with_snapshot=self._snapshot_due())
+
+    def idle(self) -> None:
+        if self._changed():
+            self._send([], with_snapshot=True)
+
+    def finish(self, error: BaseException | None) -> None:
+        outputs: list[RequestOutput] = []
+        for rid in list(self.engine.requests):
+            outputs += self.engine.abort_request(rid)
+        self._send(outputs, with_snapshot=True)
 
     def _wait(self, timeout_ms: int) -> None:
         for fd, _ in self._poller.poll(timeout_ms):
@@ -157,30 +173,6 @@ class Core:
                 with contextlib.suppress(BlockingIOError):
                     while os.read(self._wake_r, 4096):
                         pass
-
-    def _apply_inbox(self) -> list[RequestOutput]:
-        outputs: list[RequestOutput] = []
-        while True:
-            try:
-                raw = self.inbox.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                return outputs
-            msg = self.codec.to_core.decode(raw)
-            if isinstance(msg, Add):
-                outputs += self.engine.add_request(msg.request)
-            elif isinstance(msg, Abort):
-                outputs += self.engine.abort_request(msg.request_id)
-            elif isinstance(msg, Release):
-                self.engine.release_transfer(msg.transfer_id)
-            elif isinstance(msg, Stop):
-                self.stopping = True
-                return outputs
-
-    def _abort_all(self) -> None:
-        outputs: list[RequestOutput] = []
-        for rid in list(self.engine.requests):
-            outputs += self.engine.abort_request(rid)
-        self._send(outputs, with_snapshot=True)
 
     # -- sending -------------------------------------------------------------------------
     def _send(self, outputs: list[RequestOutput], with_snapshot: bool = False) -> None:
@@ -212,13 +204,13 @@ class Core:
         )
 
     # -- signals and wake-ups (any thread) -------------------------------------------------
-    def _wake(self) -> None:
+    def wake(self) -> None:
         with contextlib.suppress(BlockingIOError):  # a full pipe wakes the loop anyway
             os.write(self._wake_w, b"\0")
 
     def _on_sigterm(self, signum: int, frame: object) -> None:
         self.stopping = True
-        self._wake()
+        self.wake()
 
 
 def _die_with_parent() -> None:

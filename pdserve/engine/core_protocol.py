@@ -20,8 +20,9 @@ from typing import Any
 import msgspec
 
 from pdserve.config import ConnectorConfig, EngineConfig, TransportConfig
+from pdserve.engine.commands import Command
 from pdserve.engine.handle import EngineInfo
-from pdserve.engine.types import EngineRequest, EngineStats, LiveRequest, RequestOutput
+from pdserve.engine.types import EngineStats, LiveRequest, RequestOutput
 from pdserve.transfer.stats import ConnectorMetrics
 
 
@@ -34,25 +35,6 @@ class CoreSpec(msgspec.Struct, frozen=True, kw_only=True):
     to_core: str  # ZMQ endpoint the core receives on
     from_core: str  # ZMQ endpoint the core sends on
     log_level: str = "info"
-
-
-class Add(msgspec.Struct, frozen=True, tag=True):
-    request: EngineRequest
-
-
-class Abort(msgspec.Struct, frozen=True, tag=True):
-    request_id: str
-
-
-class Release(msgspec.Struct, frozen=True, tag=True):
-    """P: the router's release of a transfer (pdserve.transfer.release); already verified
-    by the front end."""
-
-    transfer_id: str
-
-
-class Stop(msgspec.Struct, frozen=True, tag=True):
-    """Abort every request and exit."""
 
 
 class Snapshot(msgspec.Struct, frozen=True, kw_only=True):
@@ -82,7 +64,7 @@ class Step(msgspec.Struct, frozen=True, tag=True, kw_only=True):
     snapshot: Snapshot | None = None
 
 
-ToCore = Add | Abort | Release | Stop
+ToCore = Command  # Add | Abort | Release | Stop (pdserve.engine.commands)
 FromCore = Ready | StartFailed | Step
 
 

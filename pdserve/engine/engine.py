@@ -40,6 +40,7 @@ from pdserve.kv.block_pool import BlockPool
 from pdserve.kv.cache import KVCache, num_blocks_for_budget
 from pdserve.model.loader import LoadedModel, load_model
 from pdserve.token_logprob import TokenLogprob
+from pdserve.tracelog import hop
 from pdserve.transfer.adapter import (
     EngineSide,
     Event,
@@ -49,7 +50,6 @@ from pdserve.transfer.adapter import (
     transfer_id_for,
 )
 from pdserve.transfer.errors import TransferCause, transfer_error
-from pdserve.transfer.hoptrace import hop
 from pdserve.transfer.params import (
     InstanceInfo,
     InstanceLimits,
@@ -274,8 +274,8 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if not sched.seqs:
             return []
-        if self.cfg.fault_step_delay_s:
-            time.sleep(self.cfg.fault_step_delay_s)
+        if self.cfg.faults.step_delay_s:  # fault injection (tests): a slow instance
+            time.sleep(self.cfg.faults.step_delay_s)
         try:
             sampled = self.runner.execute(sched.seqs, self._layer_hook(sched))
         except Exception as exc:  # one bad batch must not kill the instance

@@ -5,6 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from pdserve.options import option
+
+PLANNER_GROUP = "planner"  # where `pdserve up --help` lists the flags below
+
 
 @dataclass(frozen=True)
 class PlannerConfig:
@@ -17,15 +21,55 @@ class PlannerConfig:
     the `cooldown` decisions after a change (the new layout needs a window to show).
     """
 
-    ttft_target_s: float = 2.0
-    tpot_target_s: float = 0.2
-    percentile: Literal[50, 90] = 90
-    interval_s: float = 10.0
-    min_prefill: int = 1
-    max_prefill: int = 4
-    min_decode: int = 1
-    max_decode: int = 4
-    max_total: int = 6
+    ttft_target_s: float = option(
+        2.0,
+        flag="--ttft-target",
+        group=PLANNER_GROUP,
+        metavar="S",
+        help="prefill's TTFT target (default: %(default)s)",
+    )
+    tpot_target_s: float = option(
+        0.2,
+        flag="--tpot-target",
+        group=PLANNER_GROUP,
+        metavar="S",
+        help="decode's TPOT target (default: %(default)s)",
+    )
+    percentile: Literal[50, 90] = option(
+        90,
+        flag="--planner-percentile",
+        group=PLANNER_GROUP,
+        help="the percentile of TTFT and TPOT held against the targets (default: %(default)s)",
+    )
+    interval_s: float = option(
+        10.0,
+        flag="--planner-interval",
+        group=PLANNER_GROUP,
+        metavar="S",
+        help="seconds between decisions (default: %(default)s)",
+    )
+    min_prefill: int = option(
+        1,
+        group=PLANNER_GROUP,
+        metavar="N",
+        help="prefill instances at least (default: %(default)s)",
+    )
+    max_prefill: int = option(
+        4, group=PLANNER_GROUP, metavar="N", help="prefill instances at most (default: %(default)s)"
+    )
+    min_decode: int = option(
+        1, group=PLANNER_GROUP, metavar="N", help="decode instances at least (default: %(default)s)"
+    )
+    max_decode: int = option(
+        4, group=PLANNER_GROUP, metavar="N", help="decode instances at most (default: %(default)s)"
+    )
+    max_total: int = option(
+        6,
+        flag="--max-instances",
+        group=PLANNER_GROUP,
+        metavar="N",
+        help="prefill plus decode instances at most (default: %(default)s)",
+    )
     queue_high: float = 2.0
     kv_high: float = 0.85
     headroom: float = 0.5

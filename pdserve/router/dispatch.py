@@ -132,9 +132,9 @@ from pdserve.router.upstream import (
     UpstreamTimeout,
 )
 from pdserve.server.errors import APIError
-from pdserve.server.sse import data_event_bytes
+from pdserve.sse import data_event_bytes
+from pdserve.tracelog import hop
 from pdserve.transfer.cluster_auth import LEG_SIGNATURE_HEADER, sign_leg
-from pdserve.transfer.hoptrace import hop
 from pdserve.transfer.params import InvalidKVTransferParams
 from pdserve.transfer.release import RELEASE_PATH, SIGNATURE_HEADER, release_signature
 

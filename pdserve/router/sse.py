@@ -6,6 +6,9 @@ router holds such events back and treats D as started at its first *substantive*
 one with text, a finish reason, an error, usage, or `[DONE]`. Until then a failing P leg
 can still cancel D and give the client a clean JSON error, and the handoff metric measures
 the real handoff.
+
+The SSE format itself (reading events' data, finding where events end, writing one) is
+`pdserve.sse`'s; this module only decides what the router does with D's events.
 """
 
 from __future__ import annotations
@@ -14,7 +17,13 @@ from typing import Any
 
 import msgspec
 
-from pdserve.server.sse import data_event_bytes
+from pdserve.sse import (
+    SseDecoder,
+    data_event_bytes,
+    events_data,
+    first_event_end,
+    last_event_end,
+)
 
 # A stream that sends this much without a substantive event is taken as started anyway.
 MAX_HELD_BYTES = 64 * 1024
@@ -22,10 +31,10 @@ MAX_HELD_BYTES = 64 * 1024
 
 class StreamStartDetector:
     """Fed D's raw bytes in order; `started` turns True at the first substantive event.
-    Owns only its scan buffer; the bytes themselves are kept by the caller."""
+    Owns only its decoder; the bytes themselves are kept by the caller."""
 
     def __init__(self) -> None:
-        self._buffer = b""
+        self._decoder = SseDecoder()
         self._held = 0
         self.started = False
 
@@ -34,18 +43,20 @@ class StreamStartDetector:
         if self.started:
             return True
         self._held += len(chunk)
-        self._buffer += chunk.replace(b"\r\n", b"\n")
-        *events, self._buffer = self._buffer.split(b"\n\n")
-        self.started = self._held > MAX_HELD_BYTES or any(map(is_substantive, events))
+        events = self._decoder.feed(chunk)
+        self.started = self._held > MAX_HELD_BYTES or any(map(starts_answer, events))
         return self.started
 
 
 def is_substantive(event: bytes) -> bool:
-    """Whether one SSE event (without its blank-line terminator) starts the answer."""
-    data = b"\n".join(line[5:].lstrip() for line in event.split(b"\n") if line.startswith(b"data:"))
-    if not data:
-        return False  # a comment or keep-alive
-    if data == b"[DONE]":
+    """Whether one SSE event (without its blank-line terminator) starts the answer; an
+    event without data (a comment or keep-alive) does not."""
+    return any(map(starts_answer, events_data(event + b"\n\n")))
+
+
+def starts_answer(data: str) -> bool:
+    """Whether an event with this data starts the answer."""
+    if data == "[DONE]":
         return True
     try:
         payload = msgspec.json.decode(data)
@@ -88,7 +99,7 @@ class EventAnnotator:
             return chunk
         self._held += chunk
         out = []
-        while not self.done and (end := _event_end(self._held)) > 0:
+        while not self.done and (end := first_event_end(self._held)) > 0:
             event, self._held = self._held[:end], self._held[end:]
             annotated = _annotate(event, self._note)
             self.done = annotated is not None
@@ -116,7 +127,7 @@ class CompleteEvents:
 
     def feed(self, data: bytes) -> bytes:
         data = self._held + data
-        end = _last_event_end(data)
+        end = last_event_end(data)
         self._held = data[end:]
         return data[:end]
 
@@ -126,24 +137,12 @@ class CompleteEvents:
         return held
 
 
-def _last_event_end(buffer: bytes) -> int:
-    """Index just past the last complete event in `buffer`, or 0."""
-    ends = [i + len(sep) for sep in (b"\n\n", b"\r\n\r\n") if (i := buffer.rfind(sep)) >= 0]
-    return max(ends, default=0)
-
-
-def _event_end(buffer: bytes) -> int:
-    """Index just past the first complete event in `buffer`, or 0."""
-    ends = [i + len(sep) for sep in (b"\n\n", b"\r\n\r\n") if (i := buffer.find(sep)) >= 0]
-    return min(ends, default=0)
-
-
 def _annotate(event: bytes, note: dict[str, Any]) -> bytes | None:
-    line = event.strip()
-    if not line.startswith(b"data:") or b"\n" in line:
+    data = events_data(event)
+    if len(data) != 1:
         return None
     try:
-        payload = msgspec.json.decode(line[5:])
+        payload = msgspec.json.decode(data[0])
     except msgspec.DecodeError:
         return None
     if not isinstance(payload, dict):

@@ -52,10 +52,10 @@ from pdserve.server.serving import (
     finish_error,
     kv_transfer_params_of,
 )
-from pdserve.server.sse import data_event
 from pdserve.server.transfers import TransferClaim, TransferGate
+from pdserve.sse import data_event
+from pdserve.tracelog import hop
 from pdserve.transfer.cluster_auth import LEG_SIGNATURE_HEADER
-from pdserve.transfer.hoptrace import hop
 from pdserve.transfer.metrics import ConnectorCollector
 from pdserve.transfer.release import ReleaseAuth, release_signature
 

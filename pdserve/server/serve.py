@@ -11,230 +11,40 @@ This module is imported by `pdserve --help`, so it imports nothing heavy at modu
 from __future__ import annotations
 
 import argparse
-import asyncio
-import contextlib
 import logging
 import os
-import signal
 import socket
-import threading
-from collections.abc import Callable, Iterator
 from dataclasses import replace
-from types import FrameType
 from typing import TYPE_CHECKING
 
-from pdserve.config import (
-    CacheConfig,
-    EngineConfig,
-    ModelConfig,
-    SchedulerConfig,
-    ServerConfig,
-)
-from pdserve.keepalive import SERVER_KEEPALIVE_S
+from pdserve.config import API_KEY_ENV, ConnectorConfig, EngineConfig, ServerConfig, TransportConfig
+from pdserve.faults import NO_FAULTS, Faults
+from pdserve.httpd.bootstrap import LISTEN_BACKLOG, serve_app
 from pdserve.ports import EXIT_ADDRESS_IN_USE, bind_socket, is_address_in_use
-from pdserve.server import vllm_forms
 from pdserve.server.exposure import serve_warning
-from pdserve.server.http_protocol import HeaderDeadlineProtocol, quiet_polls
-from pdserve.transfer.factory import add_transfer_arguments
+from pdserve.server.serve_args import (
+    ServeProcess,
+    add_arguments,
+    check_args,
+    configs_from_args,
+    pd_configs_from_args,
+    process_from_args,
+)
 from pdserve.vllm import serve as vllm_serve
 
 if TYPE_CHECKING:
     from pdserve.engine.handle import EngineHandle
 
+__all__ = ["API_KEY_ENV", "add_arguments", "check_args", "configs_from_args", "main"]
+
 log = logging.getLogger("pdserve.serve")
 
-API_KEY_ENV = "PDSERVE_API_KEY"
 SHUTDOWN_GRACE_S = 5.0  # in-flight requests get this long to finish on SIGTERM
-# asyncio's own loop, also where uvloop is installed: measured with push (docs/results.md,
-# "httptools, and asyncio's loop rather than uvloop"), uvloop under the instances and the
-# router made the handoff 1-2 ms longer for no gain in CPU per token that httptools alone
-# does not give.
-UVICORN_LOOP = "asyncio"
-LISTEN_BACKLOG = 2048  # uvicorn's default; it keeps the backlog given here
-LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Flags of `pdserve serve`; each maps onto one field of pdserve.config."""
-    mc, cc, sc, vc = ModelConfig(), CacheConfig(), SchedulerConfig(), ServerConfig()
-    model = parser.add_argument_group("model")
-    model.add_argument(
-        "--model",
-        default=mc.model,
-        help="'builtin:NAME' or a local Hugging Face model directory (default: %(default)s)",
-    )
-    model.add_argument(
-        "--dtype",
-        default=mc.dtype,
-        type=vllm_forms.dtype,
-        metavar="{auto,float32,bfloat16,float16}",
-        help="weight dtype; vLLM's half and float are float16 and float32 (default: %(default)s)",
-    )
-    model.add_argument("--device", default=mc.device, help="torch device (default: %(default)s)")
-    model.add_argument(
-        "--max-model-len",
-        type=_positive_int,
-        default=mc.max_model_len,
-        help="max tokens per request, prompt + output (default: the model's context length)",
-    )
-    model.add_argument(
-        "--seed",
-        type=int,
-        default=mc.seed,
-        help="sampling seed for requests without one (default: %(default)s)",
-    )
-    model.add_argument(
-        "--served-model-name",
-        default=vc.served_model_name,
-        help="model name in the API (default: derived from --model)",
-    )
-    cache = parser.add_argument_group("KV cache")
-    cache.add_argument(
-        "--kv-cache-memory",
-        type=_positive_float,
-        default=cc.kv_cache_memory_gib,
-        metavar="GIB",
-        help="GiB of memory for the paged KV cache; sets the number of blocks "
-        "(default: %(default)s)",
-    )
-    cache.add_argument(
-        "--num-kv-blocks",
-        type=_positive_int,
-        default=cc.num_blocks,
-        help="exact number of KV blocks (overrides --kv-cache-memory)",
-    )
-    cache.add_argument(
-        "--block-size",
-        type=_positive_int,
-        default=cc.block_size,
-        help="tokens per KV block (default: %(default)s)",
-    )
-    cache.add_argument(
-        "--enable-prefix-caching",
-        action=argparse.BooleanOptionalAction,
-        default=cc.enable_prefix_caching,
-        help="reuse the KV of full blocks whose token prefix was computed before "
-        "(vLLM's flag; default: on, --no-enable-prefix-caching turns it off)",
-    )
-    sched = parser.add_argument_group("scheduler")
-    sched.add_argument(
-        "--max-num-batched-tokens",
-        type=_positive_int,
-        default=sc.max_num_batched_tokens,
-        help="token budget of one engine step (prefill chunks + decodes) (default: %(default)s)",
-    )
-    sched.add_argument(
-        "--max-num-seqs",
-        type=_positive_int,
-        default=sc.max_num_seqs,
-        help="max requests running at once (default: %(default)s)",
-    )
-    sched.add_argument(
-        "--max-prefill-chunk",
-        type=_positive_int,
-        default=sc.max_prefill_chunk,
-        help="max prompt tokens of one request per step (default: the step's token budget)",
-    )
-    sched.add_argument(
-        "--threads",
-        type=_positive_int,
-        default=None,
-        help="torch intra-op threads (default: torch's choice)",
-    )
-    parser.add_argument(
-        "--engine-process",
-        action="store_true",
-        help="run the engine loop in a child process with its own interpreter, so the HTTP "
-        "front end (parsing, formatting and sending streams) never holds the GIL the engine "
-        "needs; costs one IPC hop per step. Off by default: on 2 cores it did not improve "
-        "TPOT (docs/results.md, 'engine loop in its own process')",
-    )
-    http = parser.add_argument_group("HTTP")
-    http.add_argument("--host", default=vc.host, help="address to listen on (default: %(default)s)")
-    http.add_argument(
-        "--port",
-        type=_port,
-        default=vc.port,
-        help="port to listen on (0: any free port) (default: %(default)s)",
-    )
-    http.add_argument(
-        "--api-key",
-        default=os.environ.get(API_KEY_ENV) or None,
-        help=f"require 'Authorization: Bearer KEY' on /v1/* (default: ${API_KEY_ENV}, "
-        "unset: no key)",
-    )
-    http.add_argument(
-        "--log-level",
-        default="info",
-        choices=LOG_LEVELS,
-        help="log verbosity (default: %(default)s)",
-    )
-    # Test/bench knob, hidden from --help: sleep this long in every engine step, so that one
-    # instance of a cluster is slow (routing benchmarks and tests; docs/router.md).
-    parser.add_argument("--fault-step-delay-ms", type=float, default=0.0, help=argparse.SUPPRESS)
-    parser.epilog = (
-        "Requests: /v1/completions defaults to max_tokens=16; /v1/chat/completions without "
-        "max_tokens may generate up to the rest of the context. Extensions to OpenAI's "
-        "parameters: top_k, ignore_eos, stop_token_ids, kv_transfer_params."
-    )
-    add_transfer_arguments(parser)
-    vllm_serve.add_arguments(parser)
-    vllm_forms.add_arguments(parser)
-    parser.add_argument(
-        "--config",
-        metavar="FILE",
-        help="YAML file of flags (name: value, as vLLM's --config); flags on the command line "
-        "override it",
-    )
-
-
-def check_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
-    """After parsing: vLLM's forms folded into pdserve's flags (`parser.error` if bad)."""
-    vllm_forms.apply(args, parser)
-
-
-def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerConfig]:
-    """The frozen configs described by the parsed flags."""
-    model = replace(
-        ModelConfig(),
-        model=args.model,
-        dtype=args.dtype,
-        device=args.device,
-        max_model_len=args.max_model_len,
-        seed=args.seed,
-    )
-    cache = CacheConfig(
-        block_size=args.block_size,
-        kv_cache_memory_gib=args.kv_cache_memory,
-        num_blocks=args.num_kv_blocks,
-        enable_prefix_caching=args.enable_prefix_caching,
-    )
-    sched = SchedulerConfig(
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_num_seqs=args.max_num_seqs,
-        max_prefill_chunk=args.max_prefill_chunk,
-    )
-    engine = EngineConfig(
-        model=model,
-        cache=cache,
-        scheduler=sched,
-        threads=args.threads,
-        fault_step_delay_s=max(0.0, args.fault_step_delay_ms) / 1000.0,
-    )
-    server = ServerConfig(
-        host=args.host,
-        port=args.port,
-        served_model_name=args.served_model_name,
-        api_key=args.api_key,
-        # The connector's token (flag or $PDSERVE_CLUSTER_TOKEN): the front end checks legs
-        # and routes for routers with it. A monolithic instance has no connector to guard.
-        cluster_token=args.cluster_token if args.role != "both" else None,
-    )
-    return engine, server
-
-
-def main(args: argparse.Namespace) -> int:
-    """Run one instance until SIGTERM/SIGINT; returns the exit status."""
+def main(args: argparse.Namespace, faults: Faults = NO_FAULTS) -> int:
+    """Run one instance until SIGTERM/SIGINT; returns the exit status. `faults`: what a test
+    breaks in it (pdserve.faults; tests/fault_serve.py), never set from a flag."""
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
@@ -242,6 +52,8 @@ def main(args: argparse.Namespace) -> int:
         return vllm_serve.main(args)
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # NIXL logs INFO to stdout otherwise
     engine_cfg, server_cfg = configs_from_args(args)
+    engine_cfg = replace(engine_cfg, faults=faults)
+    proc = process_from_args(args)
     if warning := serve_warning(args.role, args.host, args.kv_host, args.cluster_token):
         log.warning("%s", warning)
     try:
@@ -253,29 +65,37 @@ def main(args: argparse.Namespace) -> int:
         return EXIT_ADDRESS_IN_USE if is_address_in_use(exc) else 1
     with sock:
         log.info("loading %s", engine_cfg.model.model)
-        engine = _start_engine(args, engine_cfg)
+        engine = _start_engine(proc, engine_cfg, args, faults)
         if isinstance(engine, int):
             return engine
         try:
             if not _listen(sock):
                 return EXIT_ADDRESS_IN_USE
-            _serve_http(engine, server_cfg, sock, args.log_level)
+            _serve_http(engine, server_cfg, sock, proc.log_level)
         finally:
             engine.shutdown()
             log.info("engine stopped")
     return 0
 
 
-def _start_engine(args: argparse.Namespace, cfg: EngineConfig) -> EngineHandle | int:
+def _start_engine(
+    proc: ServeProcess, cfg: EngineConfig, args: argparse.Namespace, faults: Faults
+) -> EngineHandle | int:
     """The running engine (in a thread, or with `--engine-process` in a child process), or
     the exit status if it cannot be built (logged): 2 for flags that cannot work, 98 for a
-    taken side-channel port."""
+    taken side-channel port. `args` gives the P/D configs, built here so that a bad
+    `--kv-host` is one of the flags that cannot work."""
     # Imported here: torch (in-thread) loads only once the HTTP port is ours.
     from pdserve.engine.core_client import CoreStartError
     from pdserve.transfer.transport import BackendUnavailableError
 
     try:
-        return _engine_process(args, cfg) if args.engine_process else _engine_thread(args, cfg)
+        pd = pd_configs_from_args(args)
+        if pd is not None:  # the transfer faults a test asked for (pdserve.faults)
+            pd = (replace(pd[0], faults=faults), pd[1])
+        if proc.engine_process:
+            return _engine_process(cfg, pd, proc.log_level)
+        return _engine_thread(cfg, pd)
     except (ValueError, FileNotFoundError, BackendUnavailableError) as exc:  # the message says why
         log.error("%s", exc)
         return 2
@@ -289,28 +109,25 @@ def _start_engine(args: argparse.Namespace, cfg: EngineConfig) -> EngineHandle |
         return EXIT_ADDRESS_IN_USE
 
 
-def _engine_thread(args: argparse.Namespace, cfg: EngineConfig) -> EngineHandle:
+PdConfigs = tuple[ConnectorConfig, TransportConfig] | None
+
+
+def _engine_thread(cfg: EngineConfig, pd: PdConfigs) -> EngineHandle:
     from pdserve.engine.async_engine import AsyncEngine
     from pdserve.engine.engine import LLMEngine
-    from pdserve.transfer.factory import make_connector_factory
+    from pdserve.transfer.factory import build_factory
 
-    engine = LLMEngine.from_config(cfg, make_connector_factory(args))
+    engine = LLMEngine.from_config(cfg, build_factory(*pd) if pd is not None else None)
     handle = AsyncEngine(engine)
     handle.start()
     return handle
 
 
-def _engine_process(args: argparse.Namespace, cfg: EngineConfig) -> EngineHandle:
+def _engine_process(cfg: EngineConfig, pd: PdConfigs, log_level: str) -> EngineHandle:
     from pdserve.engine.core_client import EngineCoreClient
-    from pdserve.transfer.factory import connector_config, transport_config
 
-    pd = args.role != "both"
-    client = EngineCoreClient(
-        cfg,
-        connector_config(args) if pd else None,
-        transport_config(args) if pd else None,
-        log_level=args.log_level,
-    )
+    connector, transport = pd if pd is not None else (None, None)
+    client = EngineCoreClient(cfg, connector, transport, log_level=log_level)
     client.start()
     return client
 
@@ -332,77 +149,13 @@ def _listen(sock: socket.socket) -> bool:
 def _serve_http(
     async_engine: EngineHandle, cfg: ServerConfig, sock: socket.socket, log_level: str
 ) -> None:
-    """Serve the app on `sock` until SIGTERM/SIGINT, then return normally.
-
-    Shutdown: stop accepting, let running requests finish for `SHUTDOWN_GRACE_S`, then stop
-    the engine so the rest end with an explicit error (503 / an SSE error event) instead
-    of a cut connection. Stock uvicorn also re-raises the signal at the end, which would
-    kill the process before the engine is shut down; this server returns instead.
-    """
-    import uvicorn
-
+    """Serve the app on `sock` until SIGTERM/SIGINT, then return normally (pdserve.httpd:
+    running requests get `SHUTDOWN_GRACE_S`, then the engine is stopped so the rest end with
+    an explicit error instead of a cut connection)."""
     from pdserve.server.app import create_app
 
-    class Server(uvicorn.Server):
-        @contextlib.contextmanager
-        def capture_signals(self) -> Iterator[None]:
-            with _handled_signals(self.handle_exit):
-                yield
-
-        async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
-            drain = asyncio.ensure_future(super().shutdown(sockets))
-            await asyncio.wait({drain}, timeout=SHUTDOWN_GRACE_S)
-            if not drain.done():
-                log.warning("aborting the requests still running after %.0f s", SHUTDOWN_GRACE_S)
-                await asyncio.to_thread(async_engine.shutdown)
-            await drain
-
     app = create_app(async_engine, cfg)
-    # uvicorn's own deadline (it cancels handlers) only backs up the engine abort above.
-    config = uvicorn.Config(
-        app,
-        log_level=log_level,
-        timeout_graceful_shutdown=SHUTDOWN_GRACE_S + 5,
-        timeout_keep_alive=SERVER_KEEPALIVE_S,  # longer than clients keep theirs (see there)
-        loop=UVICORN_LOOP,
-        http=HeaderDeadlineProtocol,  # slow or silent headers are cut off
-    )
     host, port = sock.getsockname()[:2]
     url_host = f"[{host}]" if ":" in host else host
     log.info("serving %s at http://%s:%d/v1", app.state.serving.model_name, url_host, port)
-    quiet_polls()  # after uvicorn.Config, which configures its loggers
-    Server(config).run(sockets=[sock])
-
-
-@contextlib.contextmanager
-def _handled_signals(handler: Callable[[int, FrameType | None], None]) -> Iterator[None]:
-    if threading.current_thread() is not threading.main_thread():
-        yield  # signal handlers can only be set from the main thread
-        return
-    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for sig, old in previous.items():
-            signal.signal(sig, old)
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
-    return value
-
-
-def _port(text: str) -> int:
-    value = int(text)
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"must be in 0-65535, got {value}")
-    return value
+    serve_app(app, sock, log_level, grace_s=SHUTDOWN_GRACE_S, on_grace_over=async_engine.shutdown)

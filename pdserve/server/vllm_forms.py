@@ -10,7 +10,8 @@ and gets the same instance as with pdserve's flags (`--model`, `--dtype float16`
 `--role prefill --kv-transfer push`). The mapping (docs/cli.md has it as a table):
 
 - `MODEL` (positional) is `--model`; giving both with different values is an error;
-- `--dtype half|float16|bfloat16|float|float32|auto`: `half` is float16, `float` float32;
+- `--dtype half|float16|bfloat16|float|float32|auto`: `half` is float16, `float` float32
+  (`pdserve.config.dtype_name`);
 - `--kv-transfer-config JSON`: `kv_role` kv_producer -> `--role prefill`, kv_consumer ->
   `--role decode`, kv_both -> `--role both`; `kv_connector` PdserveConnector (or
   `pdserve`) takes `mode` (pull|push, default push) and `transport` (tcp|nixl, default
@@ -29,14 +30,6 @@ import argparse
 import json
 from typing import Any
 
-DTYPE_ALIASES = {
-    "auto": "auto",
-    "half": "float16",
-    "float16": "float16",
-    "bfloat16": "bfloat16",
-    "float": "float32",
-    "float32": "float32",
-}
 KV_ROLES = {"kv_producer": "prefill", "kv_consumer": "decode", "kv_both": "both"}
 # connector name -> (transfer mode or None: from extra config, transport or None: likewise)
 CONNECTORS: dict[str, tuple[str | None, str | None]] = {
@@ -46,15 +39,6 @@ CONNECTORS: dict[str, tuple[str | None, str | None]] = {
     "NixlPushConnector": ("push", "nixl"),
 }
 EXTRA_KEYS = {"mode": ("pull", "push"), "transport": ("tcp", "nixl")}
-
-
-def dtype(text: str) -> str:
-    """argparse type of `--dtype`: vLLM's names, as pdserve's."""
-    try:
-        return DTYPE_ALIASES[text]
-    except KeyError:
-        names = ", ".join(DTYPE_ALIASES)
-        raise argparse.ArgumentTypeError(f"unknown dtype {text!r} (choose from {names})") from None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
 import sys
 from pathlib import Path
 
@@ -24,6 +23,7 @@ from pdserve.bench.arrivals import ArrivalConfig
 from pdserve.bench.dataset import RandomDatasetConfig, TraceError
 from pdserve.bench.metrics import BenchResult, parse_goodput, save_result
 from pdserve.bench.serve import BenchConfig
+from pdserve.options import add_options, from_args
 from pdserve.sim.cluster_config import MODES, ClusterConfig
 from pdserve.sim.profiles import (
     builtin_names,
@@ -81,20 +81,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(docs/multi-host.md)",
     )
 
+    # The flags of `pdserve bench serve` for the same fields (declared on its configs).
     w = parser.add_argument_group("workload (as `pdserve bench serve`)")
-    w.add_argument("--dataset-path", "--trace", type=Path, default=None)
-    w.add_argument("--ignore-trace-timing", action="store_true")
-    w.add_argument("--num-prompts", type=int, default=None, help=f"default {DEFAULT_NUM_PROMPTS}")
-    w.add_argument("--input-len", type=int, default=1024)
-    w.add_argument("--output-len", type=int, default=128)
-    w.add_argument("--range-ratio", type=float, default=0.0)
-    w.add_argument("--request-rate", type=float, default=math.inf)
-    w.add_argument("--burstiness", type=float, default=1.0)
-    w.add_argument("--max-concurrency", type=int, default=None)
-    w.add_argument("--seed", type=int, default=0)
-    w.add_argument(
-        "--num-warmups", type=int, default=1, help="0: the first request pays the handshake"
-    )
+    add_options(w, BenchConfig, only=("trace_path", "use_trace_timing", "num_prompts"))
+    add_options(w, RandomDatasetConfig, only=("input_len", "output_len", "range_ratio"))
+    add_options(w, ArrivalConfig)
+    add_options(w, BenchConfig, only=("max_concurrency", "seed", "num_warmups"))
 
     s = parser.add_argument_group("sweep")
     s.add_argument("--sweep", action="store_true", help="grid of input lengths x rates x modes")
@@ -102,12 +94,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--rates", type=float, nargs="+", default=[1.0, 2.0, 4.0, 8.0])
 
     o = parser.add_argument_group("output")
-    o.add_argument("--goodput", nargs="+", default=[], metavar="NAME:MS")
-    o.add_argument("--label", default=None)
-    o.add_argument("--metadata", nargs="*", type=_key_value, default=[], metavar="KEY=VALUE")
+    add_options(o, BenchConfig, only=("goodput", "label", "metadata"))
     o.add_argument("--save-result", type=Path, default=None, help="JSON of a one-mode run")
     o.add_argument("--out", type=Path, default=None, help="save every run and the report here")
-    o.add_argument("--disable-tqdm", action="store_true")
+    add_options(o, BenchConfig, only=("disable_tqdm",))
 
 
 def _overrides(items: list[tuple[str, str]]) -> dict[str, dict[str, str]]:
@@ -137,21 +127,14 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         tp_decode=args.tp or args.tp_decode,
         warm=args.num_warmups > 0,
     )
-    workload = BenchConfig(
-        label=args.label,
-        random=RandomDatasetConfig(
-            input_len=args.input_len, output_len=args.output_len, range_ratio=args.range_ratio
-        ),
-        trace_path=args.dataset_path,
-        use_trace_timing=not args.ignore_trace_timing,
+    workload = from_args(
+        BenchConfig,
+        args,
+        model=None,  # `--model` is the simulated model's profile here, not a served name
+        random=from_args(RandomDatasetConfig, args),
         num_prompts=args.num_prompts or (None if args.dataset_path else DEFAULT_NUM_PROMPTS),
-        arrivals=ArrivalConfig(request_rate=args.request_rate, burstiness=args.burstiness),
-        max_concurrency=args.max_concurrency,
-        seed=args.seed,
-        num_warmups=args.num_warmups,
+        arrivals=from_args(ArrivalConfig, args),
         goodput=tuple(parse_goodput(args.goodput).items()),
-        metadata=tuple(args.metadata),
-        disable_tqdm=args.disable_tqdm,
     )
     return SimConfig(cluster=cluster, workload=workload)
 

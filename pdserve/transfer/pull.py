@@ -25,10 +25,6 @@ D (lanes, pdserve.transfer.lanes): one thread per prefill instance (side-channel
   prefill instance was declared down (`_abandon`): every job reports ReleaseQuarantine
   when it ends, after its outcome. A job whose request is gone does not handshake (and
   stops a handshake in progress).
-  With `pull_on_engine_loop` (`--pull-read-on-engine-loop`) the engine thread runs the
-  job itself inside `start_receive`: classic pull, where claim and READ stall every running
-  stream. It exists to measure what the lanes (and push) save; a dead P stalls D's whole
-  engine for up to the handshake timeout in that mode.
 """
 
 from __future__ import annotations
@@ -39,6 +35,7 @@ import time
 import msgspec
 
 from pdserve.logsafe import shown
+from pdserve.tracelog import hop
 from pdserve.transfer import messages as m
 from pdserve.transfer.adapter import RemoteRequest
 from pdserve.transfer.connector import (
@@ -51,7 +48,6 @@ from pdserve.transfer.connector import (
     TransferError,
 )
 from pdserve.transfer.errors import TransferCause
-from pdserve.transfer.hoptrace import hop
 from pdserve.transfer.lanes import Lanes
 from pdserve.transfer.params import (
     InvalidKVTransferParams,
@@ -182,9 +178,6 @@ class PullConnector(KVConnector):
         ended = lease_ended(job.params)
         if ended:
             self._fail_now(job.tid, ended, TransferCause.LEASE_EXPIRED)
-            return
-        if self.cfg.pull_on_engine_loop:
-            self._run(job)
             return
         if not self._lanes.submit(job.address, job):
             what = f"already reading from {len(self._lanes)} prefill instances (the most)"

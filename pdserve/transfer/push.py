@@ -60,6 +60,7 @@ import msgspec
 
 from pdserve.logsafe import shown
 from pdserve.token_logprob import TokenLogprob
+from pdserve.tracelog import hop
 from pdserve.transfer import messages as m
 from pdserve.transfer.adapter import RemoteRequest
 from pdserve.transfer.connector import (
@@ -73,7 +74,6 @@ from pdserve.transfer.connector import (
 )
 from pdserve.transfer.descriptors import block_descriptors
 from pdserve.transfer.errors import TransferCause
-from pdserve.transfer.hoptrace import hop
 from pdserve.transfer.lanes import Lanes
 from pdserve.transfer.messages import PushFailCause as Why
 from pdserve.transfer.params import KVTransferParams
@@ -99,7 +99,7 @@ class _Finished:
     num_tokens: int
     first_token_id: int
     done_time: float
-    ready_at: float  # tests may delay the hand-off to force an arrival order
+    ready_at: float  # when the writer took it (monotonic)
     first_token_logprobs: TokenLogprob | None = None
 
 
@@ -248,8 +248,8 @@ class PushConnector(KVConnector):
             return tid in self._unsent
 
         try:
-            if self.cfg.push_register_delay_s:
-                time.sleep(self.cfg.push_register_delay_s)
+            if self.cfg.faults.register_delay_s:  # fault injection (tests): arrival order
+                time.sleep(self.cfg.faults.register_delay_s)
             if not wanted():
                 return  # cancelled while queued: no handshake for a request that is gone
             peer = self.peer(*job.peer, wanted=wanted)
@@ -333,18 +333,21 @@ class PushConnector(KVConnector):
     def _prefill_done(self, req: RemoteRequest, first_token: int) -> KVTransferParams:
         h = self.hold(req, first_token, time.time(), lease=False)
         hop(h.transfer_id, "p.prefill_done", h.done_time)
-        ready = time.monotonic() + self.cfg.push_finish_delay_s
-        self._inbox.put(
-            _Finished(
-                h.transfer_id,
-                list(h.blocks),
-                h.num_tokens,
-                first_token,
-                h.done_time,
-                ready,
-                req.last_logprob,
-            )
+        fin = _Finished(
+            h.transfer_id,
+            list(h.blocks),
+            h.num_tokens,
+            first_token,
+            h.done_time,
+            time.monotonic(),
+            req.last_logprob,
         )
+        if self.cfg.faults.finish_delay_s:  # fault injection (tests): D registers first
+            late = threading.Timer(self.cfg.faults.finish_delay_s, self._inbox.put, (fin,))
+            late.daemon = True
+            late.start()
+        else:
+            self._inbox.put(fin)
         return KVTransferParams(
             transfer_mode="push",
             transfer_id=h.transfer_id,
@@ -368,7 +371,7 @@ class PushConnector(KVConnector):
         after P has scheduled the whole prompt. The writer keeps the layers finished before
         the registration and posts them when it comes (`_WriterState.early`).
         """
-        if not self.cfg.push_layerwise or self.cfg.push_finish_delay_s or not reqs:
+        if not self.cfg.push_layerwise or self.cfg.faults.finish_delay_s or not reqs:
             return None
         jobs = [(r.transfer_id, list(r.block_ids), len(r.prompt_token_ids)) for r in reqs]
 
@@ -382,12 +385,8 @@ class PushConnector(KVConnector):
     def _writer_loop(self) -> None:
         w = _WriterState()
         while not self._stop.is_set():
-            timeout = _IDLE_WAKE_S
-            if w.delayed:  # tests' forced hand-off delays: wake when the first one is due
-                soonest = min(f.ready_at for f in w.delayed.values())
-                timeout = min(timeout, max(0.0, soonest - time.monotonic()))
             try:
-                item = self._inbox.get(timeout=timeout)
+                item = self._inbox.get(timeout=_IDLE_WAKE_S)
             except queue.Empty:
                 item = None
             try:
@@ -415,8 +414,8 @@ class PushConnector(KVConnector):
             # Layers nobody registered for while the prompt ran: the whole prompt goes in
             # one write when the registration comes.
             w.early.pop(item.transfer_id, None)
-            item.ready_at = max(item.ready_at, now)
-            (w.delayed if item.ready_at > now else w.finished)[item.transfer_id] = item
+            item.ready_at = now
+            w.finished[item.transfer_id] = item
         elif isinstance(item, _PrefillFailed):
             w.early.pop(item.transfer_id, None)
             stream = w.streams.get(item.transfer_id)
@@ -457,7 +456,7 @@ class PushConnector(KVConnector):
         if entry is not None:  # D waits for a write that will never come: tell it now
             self._registered.discard(tid)
             self._fail_remote(entry.reg, RELEASED_REASON, Why.RELEASED)
-        if (w.finished.pop(tid, None) or w.delayed.pop(tid, None)) is not None:
+        if w.finished.pop(tid, None) is not None:
             self._release_for_router(tid)
 
     def _release_for_router(self, tid: str) -> None:
@@ -466,8 +465,6 @@ class PushConnector(KVConnector):
 
     def _writer_pair(self, w: _WriterState) -> None:
         now = time.monotonic()
-        for tid in [t for t, f in w.delayed.items() if f.ready_at <= now]:
-            w.finished[tid] = w.delayed.pop(tid)
         for tid in [t for t in w.finished if t in w.streams]:
             st = w.streams[tid]
             st.fin = w.finished.pop(tid)
@@ -678,13 +675,13 @@ class PushConnector(KVConnector):
             return
         if tid in w.streams:
             w.streams[tid].aborted = True  # acknowledged when its layer writes are done
-            fin = w.finished.pop(tid, None) or w.delayed.pop(tid, None)
+            fin = w.finished.pop(tid, None)
             if fin is not None:
                 w.streams[tid].fin = fin
             return
         w.regs.pop(tid, None)
         w.early.pop(tid, None)
-        fin = w.finished.pop(tid, None) or w.delayed.pop(tid, None)
+        fin = w.finished.pop(tid, None)
         if fin is not None:
             self.report(ReleaseHold(tid, "decode aborted"))
         else:
@@ -785,7 +782,6 @@ class _WriterState:
     def __init__(self) -> None:
         self.regs: dict[str, _Waiting] = {}
         self.finished: dict[str, _Finished] = {}
-        self.delayed: dict[str, _Finished] = {}
         self.failed: dict[str, tuple[str, float]] = {}
         self.aborted: dict[str, float] = {}
         self.inflight: dict[str, _InFlight] = {}

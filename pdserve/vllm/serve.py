@@ -12,11 +12,13 @@ import argparse
 import logging
 import os
 import sys
+from dataclasses import dataclass
 
+from pdserve.options import add_options, option
 from pdserve.ports import EXIT_ADDRESS_IN_USE, bind_socket, is_address_in_use
 from pdserve.vllm.instance import (
-    CONNECTORS,
-    ENGINES,
+    Connector,
+    Engine,
     VllmInstanceConfig,
     VllmNotFound,
     command,
@@ -28,36 +30,41 @@ log = logging.getLogger("pdserve.serve")
 API_KEY_ENV = "VLLM_API_KEY"  # vLLM's own; keeps the key off the logged command line
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The engine choice and the flags only `--engine vllm` reads."""
-    g = parser.add_argument_group("engine")
-    g.add_argument(
-        "--engine",
-        choices=ENGINES,
-        default="pdserve",
+@dataclass(frozen=True)
+class EngineChoice:
+    """Which engine `pdserve serve` runs, and the flags only `--engine vllm` reads."""
+
+    engine: Engine = option(
+        "pdserve",
+        group="engine",
         help="pdserve: pdserve's own engine; vllm: run vLLM's OpenAI server as this instance "
         "(same role, transfer mode and ports; needs a Hugging Face model directory)",
     )
-    g.add_argument(
-        "--connector",
-        choices=CONNECTORS,
-        default="pdserve",
+    connector: Connector = option(
+        "pdserve",
+        group="engine",
         help="--engine vllm, P/D roles: pdserve's KV transfer inside vLLM, or vLLM's own "
         "NixlConnector (pull) / NixlPushConnector (push) (default: %(default)s)",
     )
-    g.add_argument(
-        "--vllm-python",
+    vllm_python: str | None = option(
+        None,
+        group="engine",
         metavar="PATH",
         help="python of a venv with vLLM (default: the checkout's .venv-vllm/bin/python if it "
         "exists, else this python if it can import vllm)",
     )
-    g.add_argument(
-        "--vllm-arg",
-        action="append",
-        default=[],
+    vllm_arg: tuple[str, ...] = option(
+        (),
+        group="engine",
+        append=True,
         metavar="ARG",
         help="one argument for vLLM's command line, as given (repeat for each)",
     )
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The engine choice and the flags only `--engine vllm` reads."""
+    add_options(parser, EngineChoice)
 
 
 def config_from_args(args: argparse.Namespace) -> VllmInstanceConfig:

@@ -26,7 +26,7 @@ import time
 from collections import deque
 from typing import Protocol
 
-from pdserve.transfer.hoptrace import hop
+from pdserve.tracelog import hop
 from pdserve.transfer.transport.base import (
     DescriptorError,
     Op,

@@ -1,4 +1,4 @@
-"""Per-hop breakdown of the P/D handoff from `pdserve.handoff` trace lines (hoptrace.py).
+"""Per-hop breakdown of the P/D handoff from `pdserve.handoff` trace lines (pdserve/tracelog.py).
 
 usage: handoff_hops.py [--pool] RUN_DIR [RUN_DIR ...]
 RUN_DIR holds logs/{prefill-0,decode-0,router}.log of a cluster run with the trace on, and
@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
-from pdserve.transfer.hoptrace import parse_hop_line
+from pdserve.tracelog import parse_hop_line
 
 PUSH = [
     ("p.prefill_done", "P: prompt done (engine thread, sampled)"),

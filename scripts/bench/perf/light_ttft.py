@@ -40,21 +40,19 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(REPO))
 from pdserve.ports import free_port  # noqa: E402
-from pdserve.transfer.hoptrace import parse_hop_line  # noqa: E402
+from pdserve.tracelog import parse_hop_line  # noqa: E402
 
 PY = str(REPO / ".venv/bin/python")
 MODES = {
     "push": ["--kv-transfer", "push"],
     "pull": ["--kv-transfer", "pull"],
     "push-whole": ["--kv-transfer", "push"],
-    "pull-onloop": ["--kv-transfer", "pull"],  # classic pull: claim + READ on D's engine loop
     "push-routerD": ["--kv-transfer", "push"],  # then the router is moved to D's core
     "mono1": ["--monolithic", "--cores", "0"],
 }
 
 INSTANCE_FLAGS = {
     "push-whole": ["--no-push-layerwise"],
-    "pull-onloop": ["--pull-read-on-engine-loop"],
 }
 
 

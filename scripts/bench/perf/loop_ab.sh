@@ -6,7 +6,7 @@
 # MODEL: a checkpoint dir (default results/ckpt-qwen3-4l256, from `pdserve bench make-checkpoint`)
 # HIDE: modules to hide from every process of the cluster (e.g. httptools), by a module that
 # raises ImportError put first on PYTHONPATH. (The session 5 runs also hid or showed uvloop;
-# since then uvicorn's loop is pinned to asyncio, UVICORN_LOOP in pdserve/server/serve.py.)
+# since then uvicorn's loop is pinned to asyncio, UVICORN_LOOP in pdserve/httpd/bootstrap.py.)
 case "${1:-}" in -h|--help) sed -n "2,9p" "$0" | cut -c3-; exit 0;; esac
 set -u
 cd "$(dirname "$0")/../../.."

@@ -1,6 +1,7 @@
 """Routing benchmarks (issue 10): run under `flock /work/notes/bench.lock`.
 
-  routing:   1P2D (decode-1 slowed with --fault-step-delay-ms), a push cluster and a pull
+  routing:   1P2D (decode-1 slowed: started by tests/fault_serve.py with a step delay, the
+             test-only entry point that injects faults), a push cluster and a pull
              cluster both up, one router per policy in front of them; `pdserve bench serve`
              replays the same mixed-length workload against each router, in rotating order.
   crossover: 1P1D push, two routers (--local-prefill-below 0 and 1000000) in front of the
@@ -26,14 +27,20 @@ from pdserve.ports import free_port
 from pdserve.transfer.cluster_auth import TOKEN_ENV, route_headers
 
 PY = sys.executable
+ROOT = Path(__file__).resolve().parents[3]
+FAULT_SERVE = ROOT / "tests" / "fault_serve.py"  # `pdserve serve` with faults injected
 # Results go to the repo's results/routing/ (git-ignored), not next to this script.
-OUT = Path(__file__).resolve().parents[3] / "results" / "routing"
+OUT = ROOT / "results" / "routing"
 PROCS: list[subprocess.Popen] = []
 
 
-def spawn(name: str, args: list[str], cores: str | None) -> str:
+def spawn(name: str, args: list[str], cores: str | None, faults: str | None = None) -> str:
+    """Start `pdserve ARGS...`; `faults` (JSON of pdserve.faults.Faults): a `serve` with
+    those faults injected, through tests/fault_serve.py."""
     port = free_port()
     cmd = [PY, "-m", "pdserve", *args, "--host", "127.0.0.1", "--port", str(port)]
+    if faults is not None:
+        cmd = [PY, str(FAULT_SERVE), "--faults", faults, *cmd[4:]]
     if cores is not None:
         cmd = ["taskset", "-c", cores, *cmd]
     log = open(OUT / f"log-{name}.txt", "w")  # noqa: SIM115
@@ -91,12 +98,12 @@ def bench(url: str, label: str, args: list[str], out: Path) -> dict:
 
 def routing(a: argparse.Namespace) -> None:
     extra = ["--num-kv-blocks", "4096"]
-    slow = ["--fault-step-delay-ms", str(a.delay_ms)]
+    slow = json.dumps({"step_delay_s": a.delay_ms / 1000})
     clusters = {}
     for mode in ("push", "pull"):
         p = spawn(f"{mode}-p", instance("prefill", mode, a.model, "0", extra), "0")
         d0 = spawn(f"{mode}-d0", instance("decode", mode, a.model, "1", extra), "1")
-        d1 = spawn(f"{mode}-d1-slow", instance("decode", mode, a.model, "1", extra + slow), "1")
+        d1 = spawn(f"{mode}-d1-slow", instance("decode", mode, a.model, "1", extra), "1", slow)
         clusters[mode] = (p, d0, d1)
     wait_healthy([u for c in clusters.values() for u in c])
     routers = {}

@@ -11,7 +11,7 @@ Per window this records the bench result, D's `pdserve_kv_received_total` before
 D's CPU seconds (/proc/PID/stat) and the load average. One extra unmeasured B window per mode
 runs `py-spy record` on D if py-spy exists.
 
-usage: run.py OUTDIR [--modes push pull push-whole pull-onloop] [--rounds 2] [--control]
+usage: run.py OUTDIR [--modes push pull push-whole] [--rounds 2] [--control]
        (run under flock /work/notes/bench.lock)
 """
 
@@ -25,9 +25,10 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from dataclasses import dataclass, replace
 from pathlib import Path
+
+import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from procstat import cpu_s, run_delay_s
@@ -85,13 +86,11 @@ def start_cluster(
     sys.exit(f"cluster {tag} failed 3 times; see {out}/up-{tag}.log")
 
 
-# mode -> (transfer mode, instance flags): push-whole is push without layer-wise streaming,
-# pull-onloop the classic pull (claim and READ on D's engine loop)
+# mode -> (transfer mode, instance flags): push-whole is push without layer-wise streaming
 VARIANTS: dict[str, tuple[str, list[str]]] = {
     "push": ("push", []),
     "pull": ("pull", []),
     "push-whole": ("push", ["--no-push-layerwise"]),
-    "pull-onloop": ("pull", ["--pull-read-on-engine-loop"]),
 }
 
 
@@ -126,7 +125,7 @@ def try_start(
 
 
 def kv_received(url: str) -> float:
-    body = urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()
+    body = httpx.get(f"{url}/metrics", timeout=10).text
     m = re.search(r"^pdserve_kv_received_total\S*\s+(\S+)", body, re.M)
     return float(m.group(1)) if m else float("nan")
 

@@ -39,7 +39,6 @@ VARIANTS: dict[str, tuple[str, tuple[str, ...]]] = {
     "push": ("push", ()),
     "pull": ("pull", ()),
     "push-whole": ("push", ("--no-push-layerwise",)),
-    "pull-onloop": ("pull", ("--pull-read-on-engine-loop",)),  # classic pull
     "push-rx0": ("push", ()),  # then D's transport threads are moved to P's core 0
 }
 

@@ -7,7 +7,7 @@ import itertools
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pdserve.bench.sse_decoder import SseDecoder
+from pdserve.sse import SseDecoder
 
 # Any text but the three line ends; U+2028, U+2029 and U+0085 included (not line ends in SSE).
 LINE_TEXT = st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="\r\n"))

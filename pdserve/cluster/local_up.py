@@ -1,0 +1,150 @@
+"""`pdserve up` on one host: start a `pdserve.launcher.Cluster`, print where it is, and
+supervise it (pdserve.supervisor) until Ctrl-C or SIGTERM, or until it cannot serve any more.
+
+After the start, `main` hands the cluster to a `Supervisor`, which restarts any child that
+dies (with backoff, giving up after `--max-restarts` failures within `--restart-window`) and
+prints a status line for each restart and return. `up` ends with exit status 1 only once
+the cluster cannot serve (router, every decode instance or the monolithic instance given
+up); Ctrl-C or SIGTERM stops every child by PID, one being restarted included: once the
+cluster is supervised, a signal only asks the supervisor's loop to return (`_StopRequest`),
+so it never interrupts a restart between the child's start and its recording.
+
+Here, above both the launcher and the supervisor, so that neither imports the other's user.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+from pdserve.launcher import (
+    Cluster,
+    ClusterError,
+    ManagedProcess,
+    config_from_args,
+    restart_policy_from_args,
+)
+from pdserve.restarts import GiveUp
+from pdserve.server.exposure import up_warning
+from pdserve.supervisor import ChildBack, ChildFailed, Event, Supervisor, describe
+
+log = logging.getLogger(__name__)
+
+
+def main(args: argparse.Namespace) -> int:
+    """Start the cluster, print where it is, and supervise it (restarting children that die)
+    until Ctrl-C or SIGTERM, or until it cannot serve any more (exit status 1)."""
+    logging.basicConfig(level=logging.INFO, format="pdserve up: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per health poll otherwise
+    try:
+        policy = restart_policy_from_args(args)
+    except ValueError as exc:
+        print(f"pdserve up: {exc}", file=sys.stderr, flush=True)
+        return 2
+    cluster = Cluster(config_from_args(args))
+    if warning := up_warning(cluster.config.host, cluster.config.api_key):
+        log.warning("WARNING: %s", warning)  # this format shows no level name
+    stop = _StopRequest()
+    previous = {s: signal.signal(s, stop.on_signal) for s in _STOP_SIGNALS}
+    status = 1
+    try:
+        print(f"pdserve up: starting; logs in {cluster.log_dir}", flush=True)
+        supervisor = lambda: Supervisor(cluster, policy, on_event=_printer(cluster))  # noqa: E731
+        status = _run(cluster, supervisor, stop)
+        return status
+    finally:
+        cluster.stop()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        _after_stop(cluster, status, keep_logs=args.keep_logs)
+
+
+def _run(cluster: Cluster, supervisor: Callable[[], Supervisor], stop: _StopRequest) -> int:
+    """Start, then supervise until told to stop (0) or the cluster cannot serve (1). The
+    supervisor is made once the cluster has started: it watches the children it finds."""
+    try:
+        cluster.start()
+        _print_summary(cluster, cluster.write_token_file())
+        stop.supervising = True
+        if supervisor().run(stop.requested) is not None:
+            return 1  # the cluster cannot serve any more (the supervisor said why)
+        print("pdserve up: stopping", flush=True)
+        return 0
+    except KeyboardInterrupt:
+        print("pdserve up: stopping", flush=True)
+        return 0
+    except ClusterError as exc:
+        print(f"pdserve up: {exc}", file=sys.stderr, flush=True)
+        return 1
+
+
+def _printer(cluster: Cluster) -> Callable[[Event], None]:
+    return lambda event: _print_event(cluster, event)
+
+
+def _after_stop(cluster: Cluster, status: int, keep_logs: bool) -> None:
+    """A clean exit deletes the temporary log folder (unless kept); a failure keeps it."""
+    if status == 0 and not keep_logs and cluster.remove_log_dir():
+        print("pdserve up: stopped; logs removed (--keep-logs keeps them)", flush=True)
+    elif cluster.log_dir.exists():
+        print(f"pdserve up: stopped; logs in {cluster.log_dir}", flush=True)
+
+
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+class _StopRequest:
+    """What Ctrl-C, SIGTERM and SIGHUP do in `pdserve up` (owned by `main`): while the
+    cluster starts, raise KeyboardInterrupt (`Cluster.start` stops what it started); once it
+    is supervised, set `requested`, which ends the supervisor's loop between two steps, so
+    that a child being restarted is always recorded where `Cluster.stop` finds it."""
+
+    def __init__(self) -> None:
+        self.requested = threading.Event()
+        self.supervising = False
+
+    def on_signal(self, signum: int, frame: object) -> None:
+        if not self.supervising:
+            raise KeyboardInterrupt(signal.Signals(signum).name)
+        self.requested.set()
+
+
+def _print_summary(cluster: Cluster, token_path: Path) -> None:
+    c = cluster.config
+    what = "monolithic" if c.monolithic else f"kv-transfer {c.kv_transfer}, policy {c.policy}"
+    if c.engine == "vllm":
+        what += ", engine vllm" + ("" if c.monolithic else f", connector {c.connector}")
+    print(f"\npdserve up: ready ({what})\n  URL      {cluster.router_url}", flush=True)
+    for p in cluster.processes:
+        print(_status_row(p))
+    print(f"  cluster token in {token_path}", flush=True)
+    print("Ctrl-C stops everything.", flush=True)
+
+
+def _status_row(p: ManagedProcess) -> str:
+    """One process's line of the status table (printed again after each restart)."""
+    cores = ",".join(map(str, p.cores)) if p.cores else "-"
+    return (
+        f"  {p.role:<8} {p.url:<24} pid {p.pid:<8} cores {cores:<6} "
+        f"restarts {p.restarts:<3} log {p.log_path}"
+    )
+
+
+def _print_event(cluster: Cluster, event: Event) -> None:
+    """A supervisor's event as `pdserve up` status lines: restarts on stdout (with the
+    process's updated table row once it is back), give-ups and the end on stderr."""
+    line = f"pdserve up: {describe(event)}"
+    if isinstance(event, ChildBack):
+        print(f"{line}\n{_status_row(cluster.process(event.name))}", flush=True)
+    elif isinstance(event, ChildFailed) and not isinstance(event.verdict, GiveUp):
+        print(line, flush=True)
+    else:
+        tail = ""
+        if isinstance(event, ChildFailed):
+            tail = f" Its log ends:\n{cluster.process(event.name).log_tail()}"
+        print(f"{line}{tail}", file=sys.stderr, flush=True)

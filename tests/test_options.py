@@ -1,0 +1,117 @@
+"""`pdserve.options`: flags derived from config fields, configs built back from the namespace."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import pytest
+
+from pdserve.options import add_options, from_args, from_flag, option, positive_int
+
+
+@dataclass(frozen=True)
+class Demo:
+    urls: tuple[str, ...] = option(nargs="+", help="one or more URLs")
+    name: str = option("x", help="a name (default: %(default)s)")
+    count: int = option(3, flag="--n", parse=positive_int, help="how many")
+    mode: Literal["a", "b"] = option("a", group="modes", help="a mode")
+    limit: float | None = option(None, help="a bound")
+    path: Path | None = option(None, help="a path")
+    fast: bool = option(False, help="go fast")
+    checks: bool = option(True, flag="--no-checks", help="skip the checks")
+    cache: bool = option(True, negatable=True, help="cache")
+    extra: tuple[str, ...] = option((), append=True, help="one extra each")
+    token: str | None = option(None, env="DEMO_TOKEN", help="a secret")
+    internal: int = 7  # not a flag
+
+
+@dataclass(frozen=True)
+class Reader:
+    name: str = from_flag("--name", "?")
+    count: int = from_flag("--n", 0)
+
+
+def _parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_options(parser, Demo)
+    return parser.parse_args(list(argv))
+
+
+def test_defaults_come_from_the_fields(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("DEMO_TOKEN", raising=False)
+    cfg = from_args(Demo, _parse("--urls", "u"))
+    assert cfg == Demo(urls=("u",))
+
+
+def test_flags_types_and_actions() -> None:
+    argv = ["--name", "y", "--n", "5", "--mode", "b", "--limit", "1.5", "--path", "/p"]
+    argv += ["--fast", "--no-checks", "--no-cache", "--urls", "u1", "u2", "--urls", "u3"]
+    argv += ["--extra", "e1", "--extra=--e2"]
+    cfg = from_args(Demo, _parse(*argv), internal=9)
+    assert cfg == Demo(
+        name="y",
+        count=5,
+        mode="b",
+        limit=1.5,
+        path=Path("/p"),
+        fast=True,
+        checks=False,
+        cache=False,
+        urls=("u1", "u2", "u3"),
+        extra=("e1", "--e2"),
+        internal=9,
+    )
+
+
+@pytest.mark.parametrize("argv", [["--mode", "c"], ["--n", "0"], ["--n", "x"], ["--checks"], []])
+def test_bad_values_and_missing_required_flags_are_usage_errors(argv: list[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        _parse(*argv, *(["--urls", "u"] if argv else []))
+    assert exc.value.code == 2
+
+
+def test_env_default_is_read_when_the_parser_is_built(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DEMO_TOKEN", "s3")
+    assert _parse("--urls", "u").token == "s3"
+    assert _parse("--urls", "u", "--token", "t").token == "t"
+
+
+def test_help_lists_groups_and_choices(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        _parse("--help")
+    out = capsys.readouterr().out
+    assert "modes:\n  --mode {a,b}" in out
+    assert "(default: x)" in out
+    assert "--cache, --no-cache" in out
+    assert "internal" not in out
+
+
+def test_a_flag_feeds_fields_of_another_config() -> None:
+    args = _parse("--urls", "u", "--name", "z", "--n", "2")
+    assert from_args(Reader, args) == Reader(name="z", count=2)
+
+
+def test_a_field_without_a_command_line_type_is_refused() -> None:
+    @dataclass(frozen=True)
+    class Bad:
+        pairs: dict[str, int] = option(None, help="no argparse type")
+
+    with pytest.raises(TypeError, match="give the option a `parse`"):
+        add_options(argparse.ArgumentParser(), Bad)
+
+
+@dataclass(frozen=True)
+class Grid:
+    sizes: tuple[int, ...] = option((1, 2), nargs="+", help="sizes")
+    names: tuple[str, ...] = option((), nargs="+", help="names")
+
+
+def test_a_list_flag_replaces_a_non_empty_default_and_extends_an_empty_one() -> None:
+    parser = argparse.ArgumentParser()
+    add_options(parser, Grid)
+    assert from_args(Grid, parser.parse_args([])) == Grid()
+    args = parser.parse_args(["--sizes", "3", "--sizes", "4", "5", "--names", "a", "--names", "b"])
+    assert from_args(Grid, args) == Grid(sizes=(4, 5), names=("a", "b"))
