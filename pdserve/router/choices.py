@@ -37,7 +37,7 @@ from starlette.types import Receive, Scope, Send
 
 from pdserve.router.health import Instance
 from pdserve.server.protocol import MAX_N, SEED_MAX
-from pdserve.server.sse import data_event_bytes
+from pdserve.sse import data_event_bytes, events_data
 
 T = TypeVar("T")
 
@@ -188,9 +188,8 @@ class StreamMerge:
         return b"".join(out)
 
     def _event(self, index: int, event: bytes) -> bytes:
-        data = b"\n".join(
-            line[5:].lstrip() for line in event.split(b"\n") if line.startswith(b"data:")
-        )
+        found = events_data(event + b"\n\n")
+        data = found[0].encode() if found else b""
         if data == b"[DONE]":
             return b""  # one [DONE] goes out after the last choice
         payload = _json_object(data) if data else None
