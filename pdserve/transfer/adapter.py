@@ -46,7 +46,7 @@ Who owns a block, at every moment (the engine's allocator records it, typed):
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import msgspec
 
@@ -56,6 +56,11 @@ from pdserve.transfer.errors import TransferCause, transfer_error
 from pdserve.transfer.params import KVTransferParams
 from pdserve.transfer.side_channel import Address
 from pdserve.transfer.stats import ConnectorMetrics
+
+if TYPE_CHECKING:
+    import torch
+
+    from pdserve.transfer.descriptors import Desc
 
 
 class Hold(msgspec.Struct, frozen=True):
@@ -102,10 +107,12 @@ class RemoteRequest(msgspec.Struct, frozen=True):
 
 
 class KVReady(msgspec.Struct, frozen=True):
-    """Engine event: the request's prompt KV is in its blocks; P sampled `first_token_id`."""
+    """Engine event: the request's prompt KV is in its blocks; P sampled `first_token_id`
+    (None when P's engine passes none to `prefill_done`: the engine computes the prompt's
+    last token again itself, as vLLM does)."""
 
     request_id: str
-    first_token_id: int
+    first_token_id: int | None
     prefill_done_time: float
     first_token_logprobs: TokenLogprob | None = None  # P's, when the request asked
 
@@ -141,9 +148,12 @@ class EngineSide(Protocol):
         ...
 
 
-class KVLayout(Protocol):
-    """The geometry of the engine's KV region the core needs for descriptors and handshakes
-    (pdserve.transfer.descriptors: [layers, k|v, blocks, ...] in one region)."""
+class KVRegions(Protocol):
+    """Where the engine's KV blocks are, for the transports (pdserve.transfer.descriptors):
+    the tensors to register (region i is the i-th on every instance of the same engine and
+    model) and the descriptors of paired block lists, per layer. pdserve's engine gives
+    `descriptors.OneRegion` ([layers, k|v, blocks, ...] in one region); vLLM's gives
+    pdserve.vllm.layout.KVLayout (one region per layer)."""
 
     @property
     def num_blocks(self) -> int: ...
@@ -153,6 +163,19 @@ class KVLayout(Protocol):
 
     @property
     def block_nbytes(self) -> int: ...
+
+    def regions(self) -> Sequence[tuple[str, torch.Tensor]]: ...
+
+    def descriptors(
+        self,
+        remote_num_blocks: int,
+        local_blocks: Sequence[int],
+        remote_blocks: Sequence[int],
+        layers: Sequence[int] | None = None,
+    ) -> tuple[list[Desc], list[Desc]]:
+        """Paired (local, remote) descriptors moving `local_blocks` <-> `remote_blocks`
+        (a peer with `remote_num_blocks` blocks) for `layers` (all by default)."""
+        ...
 
 
 @runtime_checkable
@@ -170,7 +193,7 @@ class TransferCore(Protocol):
 
     def layer_hook(self, reqs: list[RemoteRequest]) -> Callable[[int], None] | None: ...
 
-    def prefill_done(self, req: RemoteRequest, first_token: int) -> KVTransferParams: ...
+    def prefill_done(self, req: RemoteRequest, first_token: int | None) -> KVTransferParams: ...
 
     def prefill_failed(self, req: RemoteRequest, reason: str) -> None: ...
 
@@ -179,6 +202,8 @@ class TransferCore(Protocol):
     def cancel_receive(self, req: RemoteRequest) -> None: ...
 
     def release_transfer(self, tid: str) -> None: ...
+
+    def decline_transfer(self, params: KVTransferParams) -> None: ...
 
     def has_events(self) -> bool:
         """Any thread; cheap."""
