@@ -70,7 +70,8 @@ Bounded work for transfers nobody finishes (strangers' legs, lost legs):
 What goes back to the router: P's response carries `kv_transfer_params` (see
 pdserve.transfer.params); D's stream is the client's answer. The first token is the
 one P sampled (carried in the params for pull, in the WRITE's notification for
-push), so D emits it as soon as the KV is in place, without a model step.
+push), so D emits it as soon as the KV is in place, without a model step; an engine
+whose D computes the prompt's last token again (vLLM) passes none (None throughout).
 
 Failures: every request failed by the connector ends with an error made by
 `transfer_error(cause, detail)` (pdserve.transfer.errors; causes: TRANSFER_ERROR_CAUSES),
@@ -290,6 +291,12 @@ class KVConnector:
     def _prefill_failed(self, req: RemoteRequest, reason: str) -> None:
         """Mode hook; default: nothing was promised to anyone yet."""
 
+    def decode_waiting(self, tid: str) -> bool:
+        """P: whether a decode instance already asked for `tid` while its prompt is not
+        finished here (push: its registration came; pull: its claim waits). Any thread;
+        for logs: the point of push is that D asks before P is done. Mode hook."""
+        return False
+
     def decline_transfer(self, params: KVTransferParams) -> None:
         """D (engine thread): a decode leg with `params` will not load its KV after all
         (vLLM computes a one-token or fully cached prompt itself, or the request ended
@@ -469,8 +476,16 @@ class KVConnector:
     # -- heartbeat (its own thread) -------------------------------------------------------
     def _heartbeat_loop(self) -> None:
         last_seen: dict[Address, float] = {}
+        last_beat = time.monotonic()
         while not self._closing.wait(self.cfg.heartbeat_s):
             now = time.monotonic()
+            # Time this thread itself did not run (a starved process on a loaded host) is
+            # not the peers' silence: their pongs may sit unread. Credit it to every peer.
+            stalled = now - last_beat - 2 * self.cfg.heartbeat_s
+            last_beat = now
+            if stalled > 0:
+                for addr in last_seen:
+                    last_seen[addr] += stalled
             watched = self._watched
             for addr in watched:
                 if self.given_up(addr):  # its requests are failing already: do not dial it

@@ -217,6 +217,9 @@ class PullConnector(KVConnector):
             what = f"already reading from {len(self._lanes)} prefill instances (the most)"
             self._fail_now(job.tid, what, TransferCause.OVERLOADED)
 
+    def decode_waiting(self, tid: str) -> bool:
+        return tid in self._early_claims
+
     def decline_transfer(self, params: KVTransferParams) -> None:
         """D: this leg will not read its KV after all: P frees the hold now (an unclaimed
         hold whose exact blocks the PullDone names), not at its lease's end."""

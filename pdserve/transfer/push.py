@@ -313,6 +313,9 @@ class PushConnector(KVConnector):
         )
         self.side.send(to, abort)
 
+    def decode_waiting(self, tid: str) -> bool:
+        return tid in self._registered
+
     def decline_transfer(self, params: KVTransferParams) -> None:
         """D: this leg will not load its KV after all: P frees the prompt's blocks (or drops
         them as soon as they are made) and answers PushAbortAck, which finds no quarantine."""

@@ -15,6 +15,7 @@ vLLM's D computes the prompt's last token again itself, so P passes no first tok
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping, Sequence
 
 from pdserve.transfer.adapter import KVFailed, RemoteRequest, TransferCore
@@ -24,6 +25,8 @@ from pdserve.vllm.params import Mode, core_params
 from pdserve.vllm.specs import LayerSpec, PrefillSpec, RecvSpec, ReleaseSpec, SendSpec, StepSpecs
 
 ABORTED = "the prefill request was aborted or failed in vLLM"
+_ASK = {"push": "registration", "pull": "claim"}
+log = logging.getLogger(__name__)
 
 
 class VllmTransfers:
@@ -55,6 +58,7 @@ class VllmTransfers:
 
     def _send(self, send: SendSpec) -> None:
         """P: the core takes the lent blocks (`Hold`) in `prefill_done`."""
+        self._log_early(send.mode, send.key)
         self.blocks.lend(send.request_id, send.block_ids)
         try:
             self.cores[send.mode].prefill_done(_send_view(send), None)
@@ -72,7 +76,15 @@ class VllmTransfers:
         core = self.cores.get("push")
         if not specs or core is None:
             return None
+        for spec in specs:
+            self._log_early("push", spec.transfer_id)
         return core.layer_hook([_layer_view(s) for s in specs])
+
+    def _log_early(self, mode: Mode, tid: str) -> None:
+        if self.cores[mode].decode_waiting(tid):
+            log.info(
+                "pdserve connector: %s for %s arrived before its prefill ended", _ASK[mode], tid
+            )
 
     def save_layer(self, layer_name: str) -> None:
         """P: vLLM saved this layer's KV for the step (save_kv_layer): it is final."""
