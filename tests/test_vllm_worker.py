@@ -10,8 +10,11 @@ id at most once.
 
 from __future__ import annotations
 
+import os
+import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -282,3 +285,34 @@ def msgspec_replace(spec: RecvSpec, **kw: object) -> RecvSpec:
     import msgspec
 
     return msgspec.structs.replace(spec, **kw)
+
+
+def _thread_cpu_s(native_id: int) -> float:
+    """utime + stime of one of this process's threads (Linux /proc), in seconds."""
+    fields = Path(f"/proc/self/task/{native_id}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="needs Linux /proc")
+def test_idle_workers_do_not_busy_poll(pair) -> None:
+    """Every connector thread blocks (queue, socket, transfer, a timed wait): an idle pair
+    of workers that just moved a prompt each way uses next to no CPU. One thread of them
+    spinning takes what the OS gives it: over 0.15 s of these 2 s even on this loaded
+    host with four spinning (the push writer's inbox wait patched to 0)."""
+    p, d = pair
+    for mode in ("push", "pull"):
+        p.step(sends=[send(mode, [3], rid=f"p-{mode}")])
+        spec = recv(p, mode, [5], [3], request_id=f"d-{mode}", remote_request_id=f"p-{mode}")
+        d.step(recvs=[spec])
+        d.wait("finished_recving", f"d-{mode}")
+        p.wait("finished_sending", f"p-{mode}")
+    mine = [t for t in threading.enumerate() if t is not threading.main_thread()]
+    assert len(mine) >= 8  # both workers' cores: receivers, heartbeats, writer, lanes...
+    before = {t.native_id: _thread_cpu_s(t.native_id) for t in mine if t.native_id}
+    time.sleep(2.0)
+    used = {
+        f"{t.name}#{t.native_id}": _thread_cpu_s(t.native_id) - before[t.native_id]
+        for t in mine
+        if t.native_id in before and t.is_alive()
+    }
+    assert sum(used.values()) < 0.1, used  # all threads together: < 5% of a core

@@ -152,6 +152,17 @@ class WorkerSide:
         return self.transfers.results(finished_req_ids)
 
     def close(self) -> None:
-        if self.transfers is not None:
-            self.transfers.close()
-            self.transfers = None
+        if self.transfers is None:
+            return
+        for mode, core in self._cores.items():
+            st, w = core.metrics().stats, core.metrics().writer
+            log.info(
+                "pdserve connector (%s): %d transfers, %d received, %d failures%s",
+                mode,
+                st.transfers,
+                st.received,
+                st.failures,
+                f", {w.layerwise} written layer by layer" if w is not None else "",
+            )
+        self.transfers.close()
+        self.transfers = None
