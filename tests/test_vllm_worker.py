@@ -163,9 +163,12 @@ def test_layerwise_push_writes_each_layer_as_vllm_saves_it(pair) -> None:
         assert time.monotonic() < deadline
         time.sleep(0.01)
     layer = LayerSpec(request_id="p-req", transfer_id="t1", block_ids=src, num_tokens=8)
-    p.side.step(StepSpecs(layerwise=[layer]))
+    specs = StepSpecs(layerwise=[layer])
+    # vLLM 0.32 with only asynchronous loads: the forward pass saves each layer first,
+    # then start_load_kv hands the worker the same step's specs.
     for name in sorted(p.kv):
-        p.side.save_layer(name)
+        p.side.save_layer(name, specs)
+    p.side.step(specs)
     p.side.end_step()
     p.step(sends=[send("push", src, tid="t1")])  # the next step: the request finished
     assert d.wait("finished_recving", "d-req").failed_recving == set()

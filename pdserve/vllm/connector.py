@@ -111,7 +111,9 @@ class PdserveConnector(KVConnectorBase_V1):
         """P, push: this layer's KV is final for the step: the core writes it to D for the
         prompts this step completes (pdserve.vllm.transfers)."""
         assert self._worker is not None
-        self._worker.save_layer(layer_name)
+        meta = self._get_connector_metadata()  # bound before the forward pass
+        assert isinstance(meta, PdserveConnectorMetadata)
+        self._worker.save_layer(layer_name, meta.specs)
 
     def wait_for_save(self) -> None:
         if self._worker is not None:

@@ -1,8 +1,11 @@
 """The worker's glue between vLLM's step and pdserve's transfer cores (engine thread only).
 
-Each step vLLM hands the worker the scheduler's `StepSpecs` (`step`, from
-start_load_kv), saves each attention layer (`save_layer`, from save_kv_layer) and asks
-what finished (`results`, from get_finished, with the ids of the requests vLLM finished).
+Each step vLLM binds the scheduler's `StepSpecs`, runs the forward pass, which saves each
+attention layer (`save_layer`, from save_kv_layer), hands the specs to the worker (`step`,
+from start_load_kv: vLLM 0.32 calls it after the forward pass when the step has only
+asynchronous loads, before it otherwise) and asks what finished (`results`, from
+get_finished, with the ids of the requests vLLM finished). The layer hook of a step is
+made from its specs by whichever of `save_layer` and `step` comes first.
 This turns that into `TransferCore` calls on the core of each request's mode (one
 `PushConnector` and one `PullConnector` per worker: vLLM's legs pick their mode per
 request), and the cores' events and freed blocks into vLLM's finished_sending /
@@ -40,6 +43,7 @@ class VllmTransfers:
         self._layer_index = {name: i for i, name in enumerate(layers)}
         self._recving: dict[str, tuple[Mode, RemoteRequest]] = {}  # D: lent, no event yet
         self._hook: Callable[[int], None] | None = None
+        self._hook_specs: StepSpecs | None = None  # the step `_hook` belongs to
 
     # -- vLLM's step --------------------------------------------------------------------------
     def step(self, specs: StepSpecs) -> None:
@@ -54,7 +58,14 @@ class VllmTransfers:
             self._send(send)
         for recv in specs.recvs:
             self._recv(recv)
-        self._hook = self._layer_hook(specs.layerwise)
+        self._hook_for(specs)  # vLLM called this before the forward pass (sync loads)
+
+    def _hook_for(self, specs: StepSpecs) -> Callable[[int], None] | None:
+        """The layer hook of the step `specs` belongs to, made once per step."""
+        if self._hook_specs is not specs:
+            self._hook_specs = specs
+            self._hook = self._layer_hook(specs.layerwise)
+        return self._hook
 
     def _send(self, send: SendSpec) -> None:
         """P: the core takes the lent blocks (`Hold`) in `prefill_done`."""
@@ -86,12 +97,13 @@ class VllmTransfers:
                 "pdserve connector: %s for %s arrived before its prefill ended", _ASK[mode], tid
             )
 
-    def save_layer(self, layer_name: str) -> None:
-        """P: vLLM saved this layer's KV for the step (save_kv_layer): it is final."""
-        if self._hook is not None:
-            index = self._layer_index.get(layer_name)
-            if index is not None:
-                self._hook(index)
+    def save_layer(self, layer_name: str, specs: StepSpecs) -> None:
+        """P: vLLM saved this layer's KV for the step of `specs` (save_kv_layer): it is
+        final, and the core may write it for the prompts the step completes."""
+        hook = self._hook_for(specs)
+        index = self._layer_index.get(layer_name)
+        if hook is not None and index is not None:
+            hook(index)
 
     def end_step(self) -> None:
         """The forward pass ended (wait_for_save): no more layers of this step."""

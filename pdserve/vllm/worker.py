@@ -138,9 +138,9 @@ class WorkerSide:
         assert self.transfers is not None
         self.transfers.step(specs)
 
-    def save_layer(self, layer_name: str) -> None:
+    def save_layer(self, layer_name: str, specs: StepSpecs) -> None:
         if self.transfers is not None:
-            self.transfers.save_layer(layer_name)
+            self.transfers.save_layer(layer_name, specs)
 
     def end_step(self) -> None:
         if self.transfers is not None:
