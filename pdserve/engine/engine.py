@@ -256,7 +256,12 @@ class LLMEngine:
             req = self.requests.get(ev.request_id)
             if req is None:
                 continue
-            if isinstance(ev, KVReady):
+            if isinstance(ev, KVReady) and ev.first_token_id is None:
+                # Only a P of another engine sends none (vLLM's D recomputes that token);
+                # this engine emits P's token and has no step for it: a clear error.
+                why = "the prefill instance sent no first token (another engine's P?)"
+                outputs.append(self._fail(req, transfer_error(TransferCause.TRANSFER_FAILED, why)))
+            elif isinstance(ev, KVReady):
                 self.trace.landed(1)
                 hop(_transfer_id(req), "d.engine_kv", busy=len(busy))
                 self.scheduler.kv_arrived(req)
@@ -294,7 +299,9 @@ class LLMEngine:
         if self.connector.cfg.role == "decode" and self.early_outputs is not None:
             return self._mid_step_poll(frozenset(s.request.request_id for s in sched.seqs))
         last = [
-            remote_view(s.request) for s in sched.seqs if s.samples and s.request.is_remote_decode
+            remote_view(s.request, num_tokens=s.request.num_prompt_tokens)
+            for s in sched.seqs
+            if s.samples and s.request.is_remote_decode
         ]
         return self.connector.layer_hook(last) if last else None
 

@@ -35,11 +35,13 @@ class EngineBlocks:
         self._pool.free(blocks, owner)
 
 
-def remote_view(req: Request) -> RemoteRequest:
+def remote_view(req: Request, num_tokens: int | None = None) -> RemoteRequest:
     """The core's view of a P/D request now. `num_tokens`: a decode leg's prompt (its
-    blocks are to be filled), a prefill leg's computed tokens (its blocks are full)."""
+    blocks are to be filled), a prefill leg's computed tokens (its blocks are full), or
+    the given count (the prompt, for `layer_hook` before the step that completes it)."""
     assert req.kv_transfer is not None
-    num_tokens = req.num_prompt_tokens if req.needs_remote_kv else req.num_computed_tokens
+    if num_tokens is None:
+        num_tokens = req.num_prompt_tokens if req.needs_remote_kv else req.num_computed_tokens
     return RemoteRequest(
         request_id=req.request_id,
         params=req.kv_transfer,

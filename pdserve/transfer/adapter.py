@@ -2,34 +2,48 @@
 
 The transfer core (pdserve.transfer: connector, pull, push, lanes, side channel,
 transports) imports nothing from any engine. Each engine gives it one `EngineSide` and
-calls it through `TransferCore`; everything that crosses is typed here.
+one `KVRegions` and calls it through `TransferCore`; everything that crosses is typed
+here. Two engines implement it: pdserve's (pdserve.engine.transfer_adapter) and vLLM's
+(pdserve.vllm.engine_side and pdserve.vllm.transfers, as a vLLM KV connector).
 
 Engine -> core (`TransferCore`, engine thread unless said otherwise):
   P  `prefill_admitted(req)`   a prompt whose KV goes to a decode instance entered the
                                engine (no blocks yet).
-  P  `layer_hook(reqs)`        a step will complete these prompts: a per-layer callback
-                               (layer-wise push) or None.
+  P  `layer_hook(reqs)`        a step will complete these prompts (`num_tokens`: the whole
+                               prompt): a per-layer callback (layer-wise push) or None. The
+                               engine calls it with each layer's index (its `KVRegions`
+                               order) once the step has written that layer.
   P  `prefill_done(req, tok)`  the prompt is computed and P sampled `tok`: the core takes
                                the request's blocks (`EngineSide.take_blocks`, owner
-                               `Hold`) and returns the params for the router.
+                               `Hold`) and returns the params for the router. `tok` is None
+                               for an engine whose D computes the prompt's last token again
+                               itself (vLLM): D's `KVReady.first_token_id` is then None.
   P  `prefill_failed(req, why)` the prompt will never be computed (abort, error).
   D  `start_receive(req)`      the request was admitted with blocks for its whole prompt,
-                               still owned by the request: the core fills them.
-  D  `cancel_receive(req)`     the request ends while its KV may still come: the core
+                               still owned by the request: the core fills them (past its
+                               `num_cached_blocks`).
+  D  `cancel_receive(req)`     the request ends while its KV may still come (also after a
+                               `KVFailed`: the watchdog's leaves the receive armed): the core
                                fences its blocks (owner `Quarantine`) if a transfer could
-                               still land in them.
+                               still land in them; else it does nothing.
+  D  `decline_transfer(params)` a decode leg will not load its KV after all (it computes
+                               the prompt itself): P is told to free its hold now.
   both `poll()`                what the engine must do now: `KVReady` (the KV is in the
-                               request's blocks: emit the first token and decode) or
-                               `KVFailed` (fail the request, for a typed cause).
+                               request's blocks: emit the first token, if any, and decode)
+                               or `KVFailed` (fail the request, for a typed cause).
 One of `prefill_done` / `prefill_failed` is called exactly once per admitted P prompt,
-and `cancel_receive` for a D request that ends before `KVReady` or `KVFailed`.
+and `cancel_receive` for a D request that ends before `KVReady` (after `KVFailed` too).
 
 Core -> engine (`EngineSide`, engine thread only: inside one of the calls above):
   `take_blocks(request_id, owner)`  the live request's blocks pass to `owner`; the request
                                     keeps none, and the engine never frees them itself.
-  `free_blocks(blocks, owner)`      `owner`'s blocks go back to the engine for reuse.
+  `free_blocks(blocks, owner)`      `owner`'s blocks go back to the engine for reuse (all
+                                    that `take_blocks` gave for that owner at once).
+Core -> transports (`KVRegions`): the engine's KV tensors as transport regions and the
+  (region, offset, length) descriptors of a block list per layer; the core never looks
+  inside a block.
 
-Who owns a block, at every moment (the engine's allocator records it, typed):
+Who owns a block, at every moment (the engine's books record it, typed):
   P: the request (its id; prefilling) -> `Hold(tid)` (taken in `prefill_done`; freed by
      the core when the transfer ends, its lease passes or the router releases it).
   D: the request (its id; admitted, waiting for KV) -> still the request once `KVReady`
@@ -41,12 +55,15 @@ Who owns a block, at every moment (the engine's allocator records it, typed):
   those of a D request it was told to fill (`start_receive`) and has not reported yet,
   and, P with layer-wise push, each layer of the blocks `layer_hook` named once the
   engine calls the hook for that layer (the layer is final; the request keeps the blocks).
+  pdserve's engine keeps these books in its block pool; vLLM's scheduler keeps them as
+  delayed frees that end when the request id comes back in finished_sending /
+  finished_recving (pdserve.vllm.engine_side).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import msgspec
 
@@ -56,6 +73,11 @@ from pdserve.transfer.errors import TransferCause, transfer_error
 from pdserve.transfer.params import KVTransferParams
 from pdserve.transfer.side_channel import Address
 from pdserve.transfer.stats import ConnectorMetrics
+
+if TYPE_CHECKING:
+    import torch
+
+    from pdserve.transfer.descriptors import Desc
 
 
 class Hold(msgspec.Struct, frozen=True):
@@ -102,10 +124,12 @@ class RemoteRequest(msgspec.Struct, frozen=True):
 
 
 class KVReady(msgspec.Struct, frozen=True):
-    """Engine event: the request's prompt KV is in its blocks; P sampled `first_token_id`."""
+    """Engine event: the request's prompt KV is in its blocks; P sampled `first_token_id`
+    (None when P's engine passes none to `prefill_done`: the engine computes the prompt's
+    last token again itself, as vLLM does)."""
 
     request_id: str
-    first_token_id: int
+    first_token_id: int | None
     prefill_done_time: float
     first_token_logprobs: TokenLogprob | None = None  # P's, when the request asked
 
@@ -141,9 +165,12 @@ class EngineSide(Protocol):
         ...
 
 
-class KVLayout(Protocol):
-    """The geometry of the engine's KV region the core needs for descriptors and handshakes
-    (pdserve.transfer.descriptors: [layers, k|v, blocks, ...] in one region)."""
+class KVRegions(Protocol):
+    """Where the engine's KV blocks are, for the transports (pdserve.transfer.descriptors):
+    the tensors to register (region i is the i-th on every instance of the same engine and
+    model) and the descriptors of paired block lists, per layer. pdserve's engine gives
+    `descriptors.OneRegion` ([layers, k|v, blocks, ...] in one region); vLLM's gives
+    pdserve.vllm.layout.KVLayout (one region per layer)."""
 
     @property
     def num_blocks(self) -> int: ...
@@ -153,6 +180,19 @@ class KVLayout(Protocol):
 
     @property
     def block_nbytes(self) -> int: ...
+
+    def regions(self) -> Sequence[tuple[str, torch.Tensor]]: ...
+
+    def descriptors(
+        self,
+        remote_num_blocks: int,
+        local_blocks: Sequence[int],
+        remote_blocks: Sequence[int],
+        layers: Sequence[int] | None = None,
+    ) -> tuple[list[Desc], list[Desc]]:
+        """Paired (local, remote) descriptors moving `local_blocks` <-> `remote_blocks`
+        (a peer with `remote_num_blocks` blocks) for `layers` (all by default)."""
+        ...
 
 
 @runtime_checkable
@@ -170,7 +210,7 @@ class TransferCore(Protocol):
 
     def layer_hook(self, reqs: list[RemoteRequest]) -> Callable[[int], None] | None: ...
 
-    def prefill_done(self, req: RemoteRequest, first_token: int) -> KVTransferParams: ...
+    def prefill_done(self, req: RemoteRequest, first_token: int | None) -> KVTransferParams: ...
 
     def prefill_failed(self, req: RemoteRequest, reason: str) -> None: ...
 
@@ -179,6 +219,12 @@ class TransferCore(Protocol):
     def cancel_receive(self, req: RemoteRequest) -> None: ...
 
     def release_transfer(self, tid: str) -> None: ...
+
+    def decline_transfer(self, params: KVTransferParams) -> None: ...
+
+    def decode_waiting(self, tid: str) -> bool:
+        """Any thread."""
+        ...
 
     def has_events(self) -> bool:
         """Any thread; cheap."""

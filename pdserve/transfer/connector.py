@@ -70,7 +70,8 @@ Bounded work for transfers nobody finishes (strangers' legs, lost legs):
 What goes back to the router: P's response carries `kv_transfer_params` (see
 pdserve.transfer.params); D's stream is the client's answer. The first token is the
 one P sampled (carried in the params for pull, in the WRITE's notification for
-push), so D emits it as soon as the KV is in place, without a model step.
+push), so D emits it as soon as the KV is in place, without a model step; an engine
+whose D computes the prompt's last token again (vLLM) passes none (None throughout).
 
 Failures: every request failed by the connector ends with an error made by
 `transfer_error(cause, detail)` (pdserve.transfer.errors; causes: TRANSFER_ERROR_CAUSES),
@@ -117,12 +118,12 @@ from pdserve.transfer.adapter import (
     Event,
     Hold,
     KVFailed,
-    KVLayout,
     KVReady,
+    KVRegions,
     Quarantine,
     RemoteRequest,
 )
-from pdserve.transfer.descriptors import Desc, block_descriptors
+from pdserve.transfer.descriptors import Desc, nbytes
 from pdserve.transfer.errors import TransferCause
 from pdserve.transfer.params import KVTransferParams
 from pdserve.transfer.side_channel import Address, SideChannel, new_nonce
@@ -142,7 +143,7 @@ class Arrived(msgspec.Struct, frozen=True):
     """Worker report: the KV of `transfer_id` landed."""
 
     transfer_id: str
-    first_token_id: int
+    first_token_id: int | None
     prefill_done_time: float
     first_token_logprobs: TokenLogprob | None = None
 
@@ -171,7 +172,7 @@ class _Hold:
     transfer_id: str
     blocks: list[int]
     num_tokens: int
-    first_token_id: int
+    first_token_id: int | None
     done_time: float
     deadline: float
     claimant: tuple[str, str] | None = None  # pull: the (engine id, incarnation) reading it
@@ -199,7 +200,7 @@ class KVConnector:
     def __init__(
         self,
         cfg: ConnectorConfig,
-        kv: KVLayout,
+        kv: KVRegions,
         engine: EngineSide,
         compat: m.Compat,
         transport: Transport,
@@ -260,7 +261,7 @@ class KVConnector:
         """P: the prompt of `req` is queued or computing here (`prompts_alive`)."""
         self.prompts_alive.add(req.transfer_id)
 
-    def prefill_done(self, req: RemoteRequest, first_token: int) -> KVTransferParams:
+    def prefill_done(self, req: RemoteRequest, first_token: int | None) -> KVTransferParams:
         """P: take the prompt's blocks (`Hold`) and return the params for the router."""
         try:
             return self._prefill_done(req, first_token)
@@ -276,7 +277,7 @@ class KVConnector:
         finally:
             self.prompts_alive.discard(req.transfer_id)
 
-    def _prefill_done(self, req: RemoteRequest, first_token: int) -> KVTransferParams:
+    def _prefill_done(self, req: RemoteRequest, first_token: int | None) -> KVTransferParams:
         raise NotImplementedError
 
     def check_params(self, params: KVTransferParams) -> None:
@@ -289,6 +290,17 @@ class KVConnector:
 
     def _prefill_failed(self, req: RemoteRequest, reason: str) -> None:
         """Mode hook; default: nothing was promised to anyone yet."""
+
+    def decode_waiting(self, tid: str) -> bool:
+        """P: whether a decode instance already asked for `tid` while its prompt is not
+        finished here (push: its registration came; pull: its claim waits). Any thread;
+        for logs: the point of push is that D asks before P is done. Mode hook."""
+        return False
+
+    def decline_transfer(self, params: KVTransferParams) -> None:
+        """D (engine thread): a decode leg with `params` will not load its KV after all
+        (vLLM computes a one-token or fully cached prompt itself, or the request ended
+        before it was admitted): tell its P to free what it holds for it now. Mode hook."""
 
     def release_transfer(self, tid: str) -> None:
         """P (engine thread): the router's release of `tid` (module doc); mode hook."""
@@ -464,8 +476,16 @@ class KVConnector:
     # -- heartbeat (its own thread) -------------------------------------------------------
     def _heartbeat_loop(self) -> None:
         last_seen: dict[Address, float] = {}
+        last_beat = time.monotonic()
         while not self._closing.wait(self.cfg.heartbeat_s):
             now = time.monotonic()
+            # Time this thread itself did not run (a starved process on a loaded host) is
+            # not the peers' silence: their pongs may sit unread. Credit it to every peer.
+            stalled = now - last_beat - 2 * self.cfg.heartbeat_s
+            last_beat = now
+            if stalled > 0:
+                for addr in last_seen:
+                    last_seen[addr] += stalled
             watched = self._watched
             for addr in watched:
                 if self.given_up(addr):  # its requests are failing already: do not dial it
@@ -495,7 +515,9 @@ class KVConnector:
         if addr in self._watched:  # only peers we ping: a stranger's Pongs must not pile up
             self._pongs[addr] = time.monotonic()
 
-    def hold(self, req: RemoteRequest, first_token: int, done_time: float, lease: bool) -> _Hold:
+    def hold(
+        self, req: RemoteRequest, first_token: int | None, done_time: float, lease: bool
+    ) -> _Hold:
         """P: take the finished request's blocks (`Hold`); with `lease`, `poll` expires them."""
         tid = req.transfer_id
         blocks = self.engine.take_blocks(req.request_id, Hold(tid))
@@ -738,7 +760,7 @@ class KVConnector:
 
     def descriptors(self, peer: Peer, local_blocks: list[int], remote_blocks: list[int]):
         """(local, remote) descriptor lists for whole blocks, adjacent runs coalesced."""
-        return block_descriptors(self.kv, peer.num_blocks, local_blocks, remote_blocks)
+        return self.kv.descriptors(peer.num_blocks, local_blocks, remote_blocks)
 
     # -- transfers (worker threads) ---------------------------------------------------------
     def post_transfer(
@@ -763,7 +785,7 @@ class KVConnector:
             done, error = self.transport.wait(handle, _TRANSFER_WAKE_S)
         if error:
             raise TransferError(f"KV {kind} failed: {error}")
-        self.count_transfer(sum(n for _, n in local), len(local), time.monotonic() - t0)
+        self.count_transfer(nbytes(local), len(local), time.monotonic() - t0)
 
     def count_transfer(self, nbytes: int, ndesc: int, seconds: float) -> None:
         self.stats.bytes_moved += nbytes

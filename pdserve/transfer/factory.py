@@ -35,12 +35,16 @@ def build_factory(ccfg: ConnectorConfig, tcfg: TransportConfig):
     """The engine's connector factory for a P/D role (`ccfg.mode` picks pull or push)."""
 
     def factory(kv: KVCache, engine: EngineSide, loaded: LoadedModel) -> KVConnector:
+        from pdserve.transfer.descriptors import OneRegion
         from pdserve.transfer.kv_transport import open_kv_transport
         from pdserve.transfer.pull import PullConnector
         from pdserve.transfer.push import PushConnector
 
-        transport = open_kv_transport(tcfg, ccfg.engine_id, kv, ccfg.faults.fail_transfer_every)
+        regions = OneRegion.of(kv)
+        transport = open_kv_transport(
+            tcfg, ccfg.engine_id, regions, ccfg.faults.fail_transfer_every
+        )
         cls = PushConnector if ccfg.mode == "push" else PullConnector
-        return cls(ccfg, kv, engine, compat_of(kv, loaded), transport)
+        return cls(ccfg, regions, engine, compat_of(kv, loaded), transport)
 
     return factory

@@ -1,11 +1,13 @@
-"""The KV cache as seen by a transport: one registered region, block-aligned descriptors.
+"""The KV cache as seen by a transport: the engine's regions, block-aligned descriptors.
 
-Both sides register their KV cache first, as region "kv", so its region id is the same
-on every instance and descriptors name it on both ends. The connector works in
-(offset, length) pairs inside that region; this adapter adds the region ids, turns a
-transfer's state into (finished, error) and releases finished handles.
+Both sides register the regions of their `KVRegions` (pdserve.transfer.adapter) first and
+in the same order, so region i is the same on every instance of one engine and model and
+descriptors name it on both ends (pdserve's engine: one region "kv"; vLLM: one per
+layer). The connector works in (region, offset, length) descriptors; this adapter turns
+them into the transport's arrays, a transfer's state into (finished, error), and releases
+finished handles.
 
-Ownership: the engine owns the KV tensor; the transport keeps a reference to it until
+Ownership: the engine owns the KV tensors; the transport keeps a reference to them until
 `close()`. Bytes named by an in-flight transfer belong to the transport until `poll`
 reports it finished (see pdserve.transfer.transport.base).
 """
@@ -18,7 +20,8 @@ import time
 import numpy as np
 
 from pdserve.config import TransportConfig
-from pdserve.kv.cache import KVCache
+from pdserve.transfer.adapter import KVRegions
+from pdserve.transfer.descriptors import Desc
 from pdserve.transfer.transport import (
     PeerId,
     TransferHandle,
@@ -28,7 +31,7 @@ from pdserve.transfer.transport import (
     create_transport,
 )
 
-Pairs = list[tuple[int, int]]
+Descs = list[Desc]
 
 # nixl makes progress only when polled; the interval a waiting caller sleeps between polls.
 _NIXL_POLL_S = 0.0005
@@ -37,12 +40,15 @@ _NIXL_POLL_S = 0.0005
 class KVTransport:
     """A transport bound to one instance's KV cache region."""
 
-    def __init__(self, transport: Transport, kv: KVCache, kind: str, fail_every: int = 0) -> None:
+    def __init__(self, transport: Transport, kv: KVRegions, kind: str, fail_every: int = 0) -> None:
         self.transport = transport
         self.kind = kind
         self._fail_every = fail_every  # fault injection (tests): every Nth post fails
         self._posts = itertools.count(1)
-        self.region = transport.register("kv", kv.tensor, granule=kv.block_nbytes)
+        for i, (name, tensor) in enumerate(kv.regions()):
+            region = transport.register(name, tensor, granule=kv.block_nbytes)
+            if region != i:  # descriptors name regions by their order on both ends
+                raise RuntimeError(f"region {name} registered as {region}, expected {i}")
 
     def local_metadata(self) -> bytes:
         return self.transport.local_metadata()
@@ -54,20 +60,18 @@ class KVTransport:
         """Close the links to `peer`: its pending transfers fail, nothing more lands."""
         self.transport.remove_peer(peer)
 
-    def _descs(self, pairs: Pairs) -> np.ndarray:
-        arr = np.empty((len(pairs), 3), dtype=np.int64)
-        arr[:, 0] = self.region
-        arr[:, 1:] = pairs
-        return arr
+    @staticmethod
+    def _descs(descs: Descs) -> np.ndarray:
+        return np.array(descs, dtype=np.int64).reshape(len(descs), 3)
 
     def write(
-        self, peer: PeerId, local: Pairs, remote: Pairs, notif: bytes | None
+        self, peer: PeerId, local: Descs, remote: Descs, notif: bytes | None
     ) -> TransferHandle:
         self._maybe_fail()
         return self.transport.write(peer, self._descs(local), self._descs(remote), notif)
 
     def read(
-        self, peer: PeerId, local: Pairs, remote: Pairs, notif: bytes | None
+        self, peer: PeerId, local: Descs, remote: Descs, notif: bytes | None
     ) -> TransferHandle:
         self._maybe_fail()
         return self.transport.read(peer, self._descs(local), self._descs(remote), notif)
@@ -111,7 +115,7 @@ class KVTransport:
 
 
 def open_kv_transport(
-    cfg: TransportConfig, engine_id: str, kv: KVCache, fail_every: int = 0
+    cfg: TransportConfig, engine_id: str, kv: KVRegions, fail_every: int = 0
 ) -> KVTransport:
-    """Start the configured backend and register the KV cache with it."""
+    """Start the configured backend and register the KV regions with it."""
     return KVTransport(create_transport(cfg, engine_id), kv, cfg.kind, fail_every)

@@ -76,7 +76,9 @@ class PushDone(msgspec.Struct, tag=True, kw_only=True):
     """P -> D, as the WRITE's notification (delivered only after the data)."""
 
     transfer_id: str
-    first_token_id: int
+    # None: P's engine computes no first token for D (vLLM: D computes the prompt's last
+    # token again itself); pdserve's P always sends the one it sampled.
+    first_token_id: int | None
     prefill_done_time: float
     first_token_logprobs: TokenLogprob | None = None  # when the request asked for logprobs
 

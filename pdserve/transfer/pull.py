@@ -31,13 +31,14 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import overload
 
 import msgspec
 
 from pdserve.logsafe import shown
 from pdserve.tracelog import hop
 from pdserve.transfer import messages as m
-from pdserve.transfer.adapter import RemoteRequest
+from pdserve.transfer.adapter import RemoteRequest, remote_address_of
 from pdserve.transfer.connector import (
     Arrived,
     Failed,
@@ -91,9 +92,14 @@ class PullConnector(KVConnector):
         # P: transfers the router released while their prompt was still computing (engine
         # thread; an entry lives at most as long as its prompt).
         self._release_when_done: set[str] = set()
+        # P: claims that came while their prompt was still alive here (under `holds_lock`;
+        # answered when its hold is made or the prompt fails). Only an engine that returns
+        # params before `prefill_done` sees these (vLLM: its worker hears of a finished
+        # prompt one step after the router got P's params).
+        self._early_claims: dict[str, m.PullClaim] = {}
 
     # -- P -------------------------------------------------------------------------------
-    def _prefill_done(self, req: RemoteRequest, first_token: int) -> KVTransferParams:
+    def _prefill_done(self, req: RemoteRequest, first_token: int | None) -> KVTransferParams:
         h = self.hold(req, first_token, time.time(), lease=True)
         hop(h.transfer_id, "p.prefill_done", h.done_time)
         host, port = self.side.address
@@ -114,10 +120,19 @@ class PullConnector(KVConnector):
         if h.transfer_id in self._release_when_done:  # the router gave up on it meanwhile
             self._release_when_done.discard(h.transfer_id)
             self.release_unclaimed(h.transfer_id)
+        with self.holds_lock:
+            early = self._early_claims.pop(h.transfer_id, None)
+        if early is not None:
+            self.side.send(tuple(early.reply_to), self._claim_hold(early))
         return sign(params, self._key) if self._key else params
 
     def _prefill_failed(self, req: RemoteRequest, reason: str) -> None:
         self._release_when_done.discard(req.transfer_id)
+        with self.holds_lock:
+            self.prompts_alive.discard(req.transfer_id)  # no claim parks after this
+            early = self._early_claims.pop(req.transfer_id, None)
+        if early is not None:
+            self.side.send(tuple(early.reply_to), self._claim_hold(early))  # refused
 
     def release_transfer(self, tid: str) -> None:
         """P: free the hold of `tid` unless a reader claimed it (its PullDone frees it)."""
@@ -127,8 +142,9 @@ class PullConnector(KVConnector):
 
     def on_message(self, msg: m.Message) -> None:
         if isinstance(msg, m.PullClaim):
-            reply = self._claim_hold(msg)
-            self.side.send(tuple(msg.reply_to), reply)
+            reply = self._claim_hold(msg, park=True)
+            if reply is not None:
+                self.side.send(tuple(msg.reply_to), reply)
         elif isinstance(msg, m.PullDone):
             with self.holds_lock:
                 h = self.holds.get(msg.transfer_id)
@@ -140,12 +156,23 @@ class PullConnector(KVConnector):
             if mine:
                 self.report(ReleaseHold(msg.transfer_id, "read done" if msg.ok else "read failed"))
 
-    def _claim_hold(self, msg: m.PullClaim) -> m.PullClaimReply:
-        """Receiver thread: grant `msg` the hold it names, or say why not."""
+    @overload
+    def _claim_hold(self, msg: m.PullClaim) -> m.PullClaimReply: ...
+
+    @overload
+    def _claim_hold(self, msg: m.PullClaim, park: bool) -> m.PullClaimReply | None: ...
+
+    def _claim_hold(self, msg: m.PullClaim, park: bool = False) -> m.PullClaimReply | None:
+        """Grant `msg` the hold it names, or say why not; with `park` (receiver thread),
+        None: the prompt is still alive here, and the claim is answered once its hold is
+        made or it fails (`_early_claims`)."""
         claimant = (msg.engine_id, msg.incarnation)
         with self.holds_lock:
             h = self.holds.get(msg.transfer_id)
             now = time.monotonic()
+            if h is None and park and msg.transfer_id in self.prompts_alive:
+                self._early_claims[msg.transfer_id] = msg
+                return None
             if h is None or h.deadline < now:
                 error = f"transfer {msg.transfer_id} is not held here (lease ended, or unknown)"
                 return m.PullClaimReply(nonce=msg.nonce, error=error, lease_expired=True)
@@ -182,6 +209,24 @@ class PullConnector(KVConnector):
         if not self._lanes.submit(job.address, job):
             what = f"already reading from {len(self._lanes)} prefill instances (the most)"
             self._fail_now(job.tid, what, TransferCause.OVERLOADED)
+
+    def decode_waiting(self, tid: str) -> bool:
+        return tid in self._early_claims
+
+    def decline_transfer(self, params: KVTransferParams) -> None:
+        """D: this leg will not read its KV after all: P frees the hold now (an unclaimed
+        hold whose exact blocks the PullDone names), not at its lease's end."""
+        address = remote_address_of(params)
+        if address is None or not params.transfer_id or self.given_up(address):
+            return
+        done = m.PullDone(
+            transfer_id=params.transfer_id,
+            ok=False,
+            engine_id=self.cfg.engine_id,
+            incarnation=self.cfg.incarnation,
+            block_ids=list(params.remote_block_ids or ()),
+        )
+        self.side.send(address, done)
 
     def _fail_now(self, tid: str, error: str, cause: TransferCause) -> None:
         """A job that never reached a lane: nothing was sent, nothing can land."""

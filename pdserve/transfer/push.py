@@ -62,7 +62,7 @@ from pdserve.logsafe import shown
 from pdserve.token_logprob import TokenLogprob
 from pdserve.tracelog import hop
 from pdserve.transfer import messages as m
-from pdserve.transfer.adapter import RemoteRequest
+from pdserve.transfer.adapter import RemoteRequest, remote_address_of
 from pdserve.transfer.connector import (
     Arrived,
     Failed,
@@ -72,7 +72,7 @@ from pdserve.transfer.connector import (
     TransferError,
     WriterStats,
 )
-from pdserve.transfer.descriptors import block_descriptors
+from pdserve.transfer.descriptors import nbytes
 from pdserve.transfer.errors import TransferCause
 from pdserve.transfer.lanes import Lanes
 from pdserve.transfer.messages import PushFailCause as Why
@@ -97,7 +97,7 @@ class _Finished:
     transfer_id: str
     blocks: list[int]
     num_tokens: int
-    first_token_id: int
+    first_token_id: int | None
     done_time: float
     ready_at: float  # when the writer took it (monotonic)
     first_token_logprobs: TokenLogprob | None = None
@@ -313,6 +313,23 @@ class PushConnector(KVConnector):
         )
         self.side.send(to, abort)
 
+    def decode_waiting(self, tid: str) -> bool:
+        return tid in self._registered
+
+    def decline_transfer(self, params: KVTransferParams) -> None:
+        """D: this leg will not load its KV after all: P frees the prompt's blocks (or drops
+        them as soon as they are made) and answers PushAbortAck, which finds no quarantine."""
+        address = remote_address_of(params)
+        if address is None or not params.transfer_id:
+            return
+        abort = m.PushAbort(
+            transfer_id=params.transfer_id,
+            engine_id=self.cfg.engine_id,
+            incarnation=self.cfg.incarnation,
+            reply_to=self.side.address,
+        )
+        self.side.send(address, abort)
+
     # == both sides: side channel =========================================================
     def on_message(self, msg: m.Message) -> None:
         if isinstance(msg, m.PushFailed):  # D
@@ -330,7 +347,7 @@ class PushConnector(KVConnector):
             self._inbox.put(msg)
 
     # == P side: engine thread ============================================================
-    def _prefill_done(self, req: RemoteRequest, first_token: int) -> KVTransferParams:
+    def _prefill_done(self, req: RemoteRequest, first_token: int | None) -> KVTransferParams:
         h = self.hold(req, first_token, time.time(), lease=False)
         hop(h.transfer_id, "p.prefill_done", h.done_time)
         fin = _Finished(
@@ -373,7 +390,7 @@ class PushConnector(KVConnector):
         """
         if not self.cfg.push_layerwise or self.cfg.faults.finish_delay_s or not reqs:
             return None
-        jobs = [(r.transfer_id, list(r.block_ids), len(r.prompt_token_ids)) for r in reqs]
+        jobs = [(r.transfer_id, list(r.block_ids), r.num_tokens) for r in reqs]
 
         def on_layer_done(layer: int) -> None:
             for tid, blocks, n in jobs:
@@ -513,9 +530,9 @@ class PushConnector(KVConnector):
             except Exception as exc:
                 self._fail_remote(reg, f"could not post the KV write: {exc}", Why.WRITE_FAILED)
             else:
-                nbytes = sum(n for _, n in local)
+                size = nbytes(local)
                 w.inflight[reg.transfer_id] = _InFlight(
-                    reg, handle, time.monotonic(), nbytes, len(local)
+                    reg, handle, time.monotonic(), size, len(local)
                 )
                 self._posted.put(handle)
                 hop(reg.transfer_id, "p.write_posted")
@@ -538,9 +555,7 @@ class PushConnector(KVConnector):
             stream.fail("decode registered a different prompt size", Why.SIZE_MISMATCH)
             return
         mine = item.blocks[reg.skip_blocks :]
-        local, remote = block_descriptors(
-            self.kv, peer.num_blocks, mine, reg.block_ids, layers=[item.layer]
-        )
+        local, remote = self.kv.descriptors(peer.num_blocks, mine, reg.block_ids, [item.layer])
         try:
             handle = self.post_transfer("write", peer, local, remote, None)
         except Exception as exc:
@@ -551,7 +566,7 @@ class PushConnector(KVConnector):
         stream.handles.append(handle)
         self._posted.put(handle)
         hop(item.transfer_id, "p.layer_posted", layer=item.layer)
-        stream.nbytes += sum(n for _, n in local)
+        stream.nbytes += nbytes(local)
         stream.ndesc += len(local)
 
     def _open_stream(self, w: _WriterState, tid: str) -> _Stream | None:

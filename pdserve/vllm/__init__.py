@@ -7,5 +7,6 @@ KV transfer core as a vLLM v1 KV connector (`connector`), loaded out of tree:
                            "kv_connector_extra_config": {"mode": "push"}}'
 
 Only `connector` imports vLLM; the rest of the package (config, params, layout, the
-transfer agent, the instance's command line) imports vLLM nowhere. See docs/vllm.md.
+worker's glue on the transfer core, the instance's command line) imports vLLM nowhere.
+See docs/vllm.md.
 """

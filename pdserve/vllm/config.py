@@ -36,6 +36,13 @@ class VllmConnectorConfig:
     heartbeat_s: float = 2.0  # D pings every P it waits on this often
     heartbeat_misses: int = 10  # a P silent this many periods is declared dead
     transfer_timeout_s: float = 30.0  # a transfer to a silent peer errors after this
+    # P, push: write each layer of a prompt as vLLM saves it (`save_kv_layer`), in the step
+    # that completes the prompt; else (or when D's registration comes late) in one write.
+    push_layerwise: bool = True
+    # The pull core's side channel and transport ports (0: free ones; P's params name the
+    # side channel). The push core uses `side_port` and `transport_port`.
+    pull_side_port: int = 0
+    pull_transport_port: int = 0
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> VllmConnectorConfig:
@@ -54,6 +61,8 @@ class VllmConnectorConfig:
             typ = known[name].type
             if typ in ("int", "float") and not isinstance(value, int | float):
                 raise ValueError(f"PdserveConnector: {name} must be a number, not {value!r}")
+            if typ == "bool" and not isinstance(value, bool):
+                raise ValueError(f"PdserveConnector: {name} must be true or false, not {value!r}")
         return cls(**extra)
 
     @property

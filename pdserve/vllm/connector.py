@@ -2,10 +2,12 @@
 
 vLLM builds the connector twice: with the SCHEDULER role in the engine core (block
 accounting, `scheduler.SchedulerSide`) and with the WORKER role next to the model
-(`worker.WorkerSide`, which starts the transfer agent when vLLM registers its KV caches).
-The two talk only through vLLM: scheduler -> worker in the per-step connector metadata,
-worker -> scheduler in finished_sending / finished_recving / failed_recving and, once at
-start, in the handshake metadata (the worker's transport identity, which P's params carry).
+(`worker.WorkerSide`, which starts pdserve's transfer cores when vLLM registers its KV
+caches). The two talk only through vLLM: scheduler -> worker in the per-step connector
+metadata (`StepSpecs`), worker -> scheduler in finished_sending / finished_recving /
+failed_recving and, once at start, in the handshake metadata (the worker's identity and
+side-channel ports, which P's params carry). This module is the only one that touches
+vLLM's types; it turns them into plain values for the two sides.
 """
 
 from __future__ import annotations
@@ -24,9 +26,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from pdserve.vllm.config import VllmConnectorConfig
-from pdserve.vllm.scheduler import SchedulerSide
-from pdserve.vllm.specs import RecvSpec, ReleaseSpec, SendSpec, WorkerCard
-from pdserve.vllm.worker import WorkerSide
+from pdserve.vllm.scheduler import Scheduled, SchedulerSide
+from pdserve.vllm.specs import StepSpecs, WorkerCard
+from pdserve.vllm.worker import ROLE_OF_KV_ROLE, WorkerSide
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -49,11 +51,9 @@ def _log_like_vllm() -> None:
 
 @dataclasses.dataclass
 class PdserveConnectorMetadata(KVConnectorMetadata):
-    """One step's work for the worker: receives to start (D), finished sends to hold (P)."""
+    """One step's work for the worker (pdserve.vllm.specs)."""
 
-    recvs: list[RecvSpec]
-    sends: list[SendSpec]
-    releases: list[ReleaseSpec]
+    specs: StepSpecs
 
 
 @dataclasses.dataclass
@@ -81,7 +81,10 @@ class PdserveConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             self._sched = SchedulerSide(self.cfg, engine_id, self._block_size)
         else:
-            self._worker = WorkerSide(self.cfg, engine_id, vllm_config.model_config.model)
+            role_name = ROLE_OF_KV_ROLE.get(str(ktc.kv_role), "both")
+            self._worker = WorkerSide(
+                self.cfg, engine_id, vllm_config.model_config.model, role_name
+            )
 
     # -- worker role --------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -89,7 +92,7 @@ class PdserveConnector(KVConnectorBase_V1):
         self._worker.register(kv_caches, self._block_size)
 
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
-        if self._worker is None or self._worker.agent is None:
+        if self._worker is None or self._worker.transfers is None:
             return None
         return PdserveHandshakeMetadata(self._worker.card())
 
@@ -97,7 +100,7 @@ class PdserveConnector(KVConnectorBase_V1):
         assert self._worker is not None
         meta = self._get_connector_metadata()
         assert isinstance(meta, PdserveConnectorMetadata)
-        self._worker.step(meta.recvs, meta.sends, meta.releases)
+        self._worker.step(meta.specs)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads are asynchronous: a request runs only once all its KV arrived
@@ -105,10 +108,16 @@ class PdserveConnector(KVConnectorBase_V1):
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
     ) -> None:
-        return  # P sends whole finished requests (the blocks stay put until finished_sending)
+        """P, push: this layer's KV is final for the step: the core writes it to D for the
+        prompts this step completes (pdserve.vllm.transfers)."""
+        assert self._worker is not None
+        meta = self._get_connector_metadata()  # bound before the forward pass
+        assert isinstance(meta, PdserveConnectorMetadata)
+        self._worker.save_layer(layer_name, meta.specs)
 
     def wait_for_save(self) -> None:
-        return
+        if self._worker is not None:
+            self._worker.end_step()
 
     def get_transfer_results(
         self, finished_req_ids: set[str] | None = None
@@ -163,7 +172,8 @@ class PdserveConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self._sched is not None
-        return PdserveConnectorMetadata(*self._sched.take())
+        self._sched.scheduled(_scheduled(scheduler_output))
+        return PdserveConnectorMetadata(self._sched.take())
 
     def request_finished(
         self, request: Request, block_ids: list[int]
@@ -181,4 +191,32 @@ class PdserveConnector(KVConnectorBase_V1):
             list(block_ids),
             request.num_computed_tokens,
             ok,
+            request.num_prompt_tokens,
         )
+
+
+def _scheduled(out: SchedulerOutput) -> list[Scheduled]:
+    """vLLM's step as plain values (the first KV cache group's blocks: one group here)."""
+    steps = [
+        Scheduled(
+            request_id=r.req_id,
+            new_blocks=list(r.block_ids[0]) if r.block_ids else [],
+            num_computed=r.num_computed_tokens,
+            num_scheduled=out.num_scheduled_tokens.get(r.req_id, 0),
+            resumed=True,
+        )
+        for r in out.scheduled_new_reqs
+    ]
+    cached = out.scheduled_cached_reqs
+    for i, rid in enumerate(cached.req_ids):
+        new = cached.new_block_ids[i]
+        steps.append(
+            Scheduled(
+                request_id=rid,
+                new_blocks=list(new[0]) if new else None,
+                num_computed=cached.num_computed_tokens[i],
+                num_scheduled=out.num_scheduled_tokens.get(rid, 0),
+                resumed=rid in cached.resumed_req_ids,
+            )
+        )
+    return steps

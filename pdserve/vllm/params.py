@@ -16,9 +16,12 @@ request id does.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Literal, get_args
 
 import msgspec
+
+from pdserve.transfer.params import KVTransferParams
 
 Mode = Literal["push", "pull"]
 
@@ -38,6 +41,10 @@ class RemoteParams(msgspec.Struct, frozen=True, kw_only=True):
     remote_block_ids: list[int] = msgspec.field(default_factory=list)
     remote_num_tokens: int | None = None  # None: P computes the whole prompt
     transfer_id: str = ""  # the router's id for the transfer; P keys it by this if set
+    # Pull with a cluster token: P's lease end and its signature over what D uses
+    # (pdserve.transfer.params.sign over `core_params`), which D's core verifies.
+    expires_at: float | None = None
+    signature: str | None = None
 
     def __post_init__(self) -> None:
         if not self.key:
@@ -81,3 +88,33 @@ def transfer_id(params: dict[str, Any] | None) -> str | None:
     """P leg: the router's id for this transfer (`transfer_id`), None when it gave none."""
     tid = (params or {}).get("transfer_id")
     return tid if isinstance(tid, str) and tid else None
+
+
+def core_params(
+    *,
+    mode: Mode,
+    key: str,
+    engine_id: str,
+    incarnation: str,
+    address: tuple[str, int],
+    block_ids: Sequence[int],
+    num_tokens: int | None,
+    expires_at: float | None = None,
+    signature: str | None = None,
+) -> KVTransferParams:
+    """A decode leg's params as pdserve's transfer core reads them. P signs exactly this
+    (with `signature` None) and D's worker builds it again from the spec, so both sides
+    name the same fields. No first token: vLLM's D computes the prompt's last token again."""
+    return KVTransferParams(
+        do_remote_prefill=True,
+        transfer_mode=mode,
+        transfer_id=key,
+        remote_engine_id=engine_id,
+        remote_incarnation=incarnation or None,
+        remote_host=address[0],
+        remote_port=address[1],
+        remote_block_ids=list(block_ids) or None,
+        remote_num_tokens=num_tokens,
+        expires_at=expires_at,
+        signature=signature,
+    )
