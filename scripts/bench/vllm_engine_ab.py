@@ -27,9 +27,10 @@ the handoff is then the first token's arrival at the client minus that time, the
 definition for every connector.
 
 Points (`--points`, LEN:RATE): RATE is req/s, `c1` (one at a time: one request in flight),
-or `heavy`: the heaviest rate P sustains, taken as 0.8 / (P's one-at-a-time TTFT p50) of the
-first cluster at that length in this run (so LEN:c1 must come before LEN:heavy; every
-cluster then gets the same rate).
+or `heavy`: the heaviest rate P sustains, taken as 0.8 / (TTFT p50 at LEN:c1) of the round's
+first cluster (so LEN:c1 must come before LEN:heavy; every cluster of the round then gets
+the same rate; none when that cluster has no LEN:c1 TTFT: the point is skipped), or the
+rate `--heavy-rate LEN=RATE` gives (to continue an earlier run with other clusters).
 
 Clusters (`--clusters`):
   pdserve-push, pdserve-pull      PdserveConnector (--transport, default tcp)
@@ -43,6 +44,7 @@ Clusters (`--clusters`):
 usage: vllm_engine_ab.py OUTDIR [--vllm-python PY] [--model CKPT] [--points 1024:c1 1024:1
        1024:heavy 4096:c1 4096:1 4096:heavy] [--rounds 2] [--num-prompts 24] [--clusters ...]
        [--point-timeout S] [--request-timeout S] [--num-warmups N] [--vllm-arg=ARG ...]
+       [--heavy-rate LEN=RATE ...]
        vllm_engine_ab.py OUTDIR --summary
 Run it from the repository root with PYTHONPATH=$PWD and the project's python (the client
 and the router run under it; vLLM under --vllm-python). The machine should be otherwise
@@ -289,13 +291,16 @@ def bench(
     return driver
 
 
-def resolve(point: str, out: Path, r: int, first: str) -> tuple[str, str | None]:
-    """LEN and RATE of a point; `heavy` from the first cluster's c1 TTFT in this round (RATE
-    None when that point has no TTFT: the cluster failed or the point ran out of time)."""
+def resolve(point: str, a: argparse.Namespace, r: int, first: str) -> tuple[str, str | None]:
+    """LEN and RATE of a point; `heavy` from --heavy-rate, else from the first cluster's c1
+    TTFT in this round (RATE None when that point has no TTFT: the cluster failed or the
+    point ran out of time)."""
     length, rate = point.split(":")
     if rate != "heavy":
         return length, rate
-    c1 = out / f"r{r}__{length}-c1__{first}.json"
+    if length in a.heavy_rate:
+        return length, a.heavy_rate[length]
+    c1 = a.out / f"r{r}__{length}-c1__{first}.json"
     ttft_ms = json.loads(c1.read_text()).get("median_ttft_ms") if c1.exists() else None
     return length, f"{HEAVY_FRACTION * 1000 / ttft_ms:.2f}" if ttft_ms else None
 
@@ -326,7 +331,7 @@ def run_cluster(name: str, a: argparse.Namespace, r: int, first: str) -> None:
         save_info.write_text(json.dumps(info))
         saturated: list[tuple[str, str]] = []  # (point, rate) that ran out of time
         for point in a.points:
-            length, rate = resolve(point, a.out, r, first)
+            length, rate = resolve(point, a, r, first)
             save = a.out / f"r{r}__{length}-{point.split(':')[1]}__{name}.json"
             over = [p for p, pr in saturated if rate and heavier(length, rate, p.split(":")[0], pr)]
             if rate is None or over:
@@ -434,6 +439,14 @@ def main() -> None:
     ap.add_argument("--clusters", nargs="+", default=list(DEFAULT_CLUSTERS), choices=CLUSTERS)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--num-prompts", type=int, default=24)
+    ap.add_argument(
+        "--heavy-rate",
+        action="append",
+        default=[],
+        metavar="LEN=RATE",
+        help="LEN:heavy at this req/s (e.g. from an earlier run's first cluster) instead of "
+        "from this round's first cluster",
+    )
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--num-warmups", type=int, default=2, help="the client's, per point")
     ap.add_argument("--transport", choices=("tcp", "nixl"), default="tcp", help="pdserve's")
@@ -464,9 +477,10 @@ def main() -> None:
     if a.summary:
         summary(a.out)
         return
+    a.heavy_rate = dict(x.split("=", 1) for x in a.heavy_rate)
     for i, point in enumerate(a.points):
         length, rate = point.split(":")
-        if rate == "heavy" and f"{length}:c1" not in a.points[:i]:
+        if rate == "heavy" and length not in a.heavy_rate and f"{length}:c1" not in a.points[:i]:
             ap.error(f"{point} needs {length}:c1 before it in --points")
     a.out = a.out.resolve()
     a.out.mkdir(parents=True, exist_ok=True)
