@@ -50,7 +50,8 @@ Run it from the repository root with PYTHONPATH=$PWD and the project's python (t
 and the router run under it; vLLM under --vllm-python). The machine should be otherwise
 idle; the load averages in the output say how far it was.
 Results: OUTDIR/r<round>__<LEN-RATE>__<cluster>.json (pdserve bench serve's result JSON
-plus "driver": the router's counts, wall time, saturation; only "driver" and the counts
+plus "driver": the router's counts and mean TTFT and handoff (its own view, from its
+histograms), wall time, saturation; only "driver" and the counts
 when the point ran out of time), OUTDIR/r<round>__cluster__<cluster>.json (idle CPU per
 instance, load averages, seconds to ready), OUTDIR/logs/.
 """
@@ -92,6 +93,12 @@ DEFAULT_POINTS = ("1024:c1", "1024:1", "1024:heavy", "4096:c1", "4096:1", "4096:
 PTHR_DELAY_US = "100"
 HEAVY_FRACTION = 0.8  # of P's one-at-a-time throughput
 ROW = re.compile(r"^\s+(prefill|decode|router)\s+(\S+)\s+pid (\d+)")
+HISTOGRAM_KEYS = {"handoff": "handoff", "time_to_first_token": "ttft"}
+HISTOGRAMS = re.compile(
+    r"^pdserve_router_(?P<name>handoff|time_to_first_token)_seconds_(?P<part>sum|count)"
+    r" (?P<n>\S+)$",
+    re.M,
+)
 STARTED = re.compile(r"^pdserve up: started \S+ \(pid (\d+)\): .* --port (\d+) ", re.M)
 REQUESTS = re.compile(
     r'^pdserve_router_requests_total\{[^}]*status="(?P<status>[^"]+)"[^}]*\} (?P<n>\S+)$', re.M
@@ -239,11 +246,14 @@ def idle_cpu(pids: dict[str, int], seconds: float) -> tuple[dict[str, float], di
 
 def router_requests(url: str) -> dict[str, float]:
     """The router's client requests so far by outcome (`status`: HTTP status, stream_error,
-    client_disconnect), all modes together."""
+    client_disconnect), all modes together, and the sums and counts of its handoff and TTFT
+    histograms (`handoff_sum`, `handoff_count`, `ttft_sum`, `ttft_count`)."""
     counts: dict[str, float] = {}
     text = httpx.get(f"{url}/metrics", timeout=10).text
     for m in REQUESTS.finditer(text):
         counts[m["status"]] = counts.get(m["status"], 0.0) + float(m["n"])
+    for m in HISTOGRAMS.finditer(text):
+        counts[f"{HISTOGRAM_KEYS[m['name']]}_{m['part']}"] = float(m["n"])
     return counts
 
 
@@ -281,7 +291,10 @@ def bench(
     time.sleep(2)  # the router counts a killed client's requests once it notices
     after = router_requests(url)
     counts = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
-    driver = {"rc": rc, "wall_s": wall, "saturated": rc is None, "rate": rate}
+    driver: dict[str, Any] = {"rc": rc, "wall_s": wall, "saturated": rc is None, "rate": rate}
+    for name in HISTOGRAM_KEYS.values():  # the router's own view, also of a point cut short
+        n, total = counts.pop(f"{name}_count", 0.0), counts.pop(f"{name}_sum", 0.0)
+        driver[f"router_mean_{name}_ms"] = 1000 * total / n if n else None
     driver |= {"router_requests": {k: v for k, v in counts.items() if v}}
     driver["router_completed"] = counts.get("200", 0.0)
     driver["router_failed"] = sum(v for k, v in counts.items() if k != "200")
@@ -400,6 +413,12 @@ def summary(out: Path) -> None:
             print(f"- {name} {rnd}: failed: {c['error']}")
 
 
+def _router_means(d: dict[str, Any]) -> str:
+    """The router's mean TTFT and handoff over a point, where it recorded them."""
+    means = [(k, d.get(f"router_mean_{k}_ms")) for k in ("ttft", "handoff")]
+    return "".join(f", router mean {k} {v:.0f} ms" for k, v in means if v is not None)
+
+
 def _point_key(point: str) -> tuple[int, int]:
     length, rate = point.split("-")
     return int(length), {"c1": 0, "heavy": 2}.get(rate, 1)
@@ -413,7 +432,7 @@ def _note(d: dict[str, Any]) -> str:
         return (
             f"saturated: ran out of {d['wall_s']:.0f} s at {d['rate']}/s; router: "
             f"{d['router_completed']:.0f} completed, {d['router_failed']:.0f} failed "
-            f"({d['router_requests']})"
+            f"({d['router_requests']}){_router_means(d)}"
         )
     return ""
 

@@ -8,7 +8,7 @@ busy-polls, taking about half of an instance's only core. Two ways out, chosen b
 - otherwise: no progress thread (what pdserve's nixl transport does).
 vLLM's pull path works either way. Its push path fails either way on one core per instance:
 P posts the WRITE, D's receive never completes, and the request times out
-(docs/results.md, "P/D vs vLLM's push").
+(docs/results.md, "pdserve's engine P/D vs vLLM's engine with its push").
 Only these settings change.
 """
 
