@@ -249,7 +249,11 @@ def router_requests(url: str) -> dict[str, float]:
     client_disconnect), all modes together, and the sums and counts of its handoff and TTFT
     histograms (`handoff_sum`, `handoff_count`, `ttft_sum`, `ttft_count`)."""
     counts: dict[str, float] = {}
-    text = httpx.get(f"{url}/metrics", timeout=10).text
+    try:
+        text = httpx.get(f"{url}/metrics", timeout=30).text
+    except httpx.HTTPError as exc:  # a router too slow to answer is a result, not the end
+        print(f"{time.strftime('%T')} {url}/metrics: {exc!r}", flush=True)
+        return {"router_unreachable": 1.0}
     for m in REQUESTS.finditer(text):
         counts[m["status"]] = counts.get(m["status"], 0.0) + float(m["n"])
     for m in HISTOGRAMS.finditer(text):
