@@ -301,7 +301,9 @@ def bench(
         driver[f"router_mean_{name}_ms"] = 1000 * total / n if n else None
     driver |= {"router_requests": {k: v for k, v in counts.items() if v}}
     driver["router_completed"] = counts.get("200", 0.0)
-    driver["router_failed"] = sum(v for k, v in counts.items() if k != "200")
+    driver["router_failed"] = sum(
+        v for k, v in counts.items() if k not in ("200", "router_unreachable")
+    )
     result = json.loads(save.read_text()) if save.exists() else {}
     result["driver"] = driver
     save.write_text(json.dumps(result))
