@@ -6,9 +6,11 @@ busy-polls, taking about half of an instance's only core. Two ways out, chosen b
 - `PDSERVE_NIXL_PTHR_DELAY_US=N`: keep the progress thread, but let it sleep N us between
   polls (NIXL's `pthrDelay`; the Python wrapper hard-codes 0);
 - otherwise: no progress thread (what pdserve's nixl transport does).
-vLLM's pull path works either way. Its push path fails either way on one core per instance:
-P posts the WRITE, D's receive never completes, and the request times out
-(docs/results.md, "P/D vs vLLM's push").
+vLLM's pull path works either way. Its push path failed either way on one core per instance
+behind vllm_pd_proxy.py on the Xeon: P posts the WRITE, D's receive never completes, and the
+request times out (docs/results.md, "pdserve's engine P/D vs vLLM's engine with its push");
+behind pdserve's router (vllm_engine_ab.py) the delayed thread completed every request
+(docs/results.md, "Against vLLM").
 Only these settings change.
 """
 
