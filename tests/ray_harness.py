@@ -7,7 +7,7 @@ import os
 import re
 import subprocess
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import httpx
@@ -70,6 +70,19 @@ def non_loopback(pids: set[int]) -> list[str]:
         if any(h not in LOOPBACK for h in hosts):
             bad.append(f"pid {pid} {state} {local} -> {peer}")
     return bad
+
+
+def process_lines(pids: Iterable[int]) -> list[str]:
+    """`pid state command` of each process of `pids` still there (for failure messages)."""
+    lines = []
+    for pid in sorted(pids):
+        try:
+            state = (Path(f"/proc/{pid}") / "stat").read_text().rsplit(")", 1)[1].split()[0]
+            cmd = (Path(f"/proc/{pid}") / "cmdline").read_bytes().replace(b"\0", b" ")
+        except OSError:
+            continue
+        lines.append(f"{pid} {state} {cmd.decode(errors='replace')[:160]}")
+    return lines
 
 
 def wait_for(check: Callable[[], bool], timeout: float, what: str) -> None:

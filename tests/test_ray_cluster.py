@@ -17,6 +17,7 @@ from ray_harness import (
     complete,
     descendants,
     non_loopback,
+    process_lines,
     ray_available,
     sockets_of,
     wait_for,
@@ -41,11 +42,11 @@ def ray_session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     from pdserve.cluster.ray_local import RayConnection, connect, disconnect
 
     temp = Path(tmp_path_factory.mktemp("ray"))
-    connect(RayConnection(num_cpus=2, temp_dir=temp))
+    session = connect(RayConnection(num_cpus=2, temp_dir=temp))
     try:
         yield
     finally:
-        disconnect()
+        disconnect(session)
 
 
 @pytest.fixture(scope="module")
@@ -248,5 +249,7 @@ def test_up_ray_command_prints_the_table_serves_and_stops(tmp_path: Path) -> Non
     finally:
         up.send_signal(signal.SIGINT)
         assert up.wait(timeout=120) == 0, log.read_text()[-3000:]
-    gone = [pid for pid in tree if Path(f"/proc/{pid}").exists()]
-    wait_for(lambda: not [p for p in gone if Path(f"/proc/{p}").exists()], 60, "Ray's exit")
+    deadline = time.monotonic() + 60
+    while process_lines(tree) and time.monotonic() < deadline:
+        time.sleep(0.25)
+    assert not process_lines(tree), "\n".join(process_lines(tree))

@@ -34,7 +34,14 @@ from pdserve.cluster.ray_actors import (
     RouterActorSpec,
     remote_classes,
 )
-from pdserve.cluster.ray_local import RAY_GROUP, RayConnection, connect, disconnect
+from pdserve.cluster.ray_local import (
+    RAY_GROUP,
+    RayConnection,
+    RaySession,
+    connect,
+    connected,
+    disconnect,
+)
 from pdserve.cluster.registry import InstanceRecord
 from pdserve.faults import NO_FAULTS, Faults
 from pdserve.launcher import ClusterConfig
@@ -87,7 +94,7 @@ class RayCluster:
         self.router_url = ""
         self.router_pid = 0
         self._connected = False
-        self._owns_connection = False
+        self._session: RaySession | None = None  # set when `start` connected
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -95,12 +102,11 @@ class RayCluster:
         """Connect to Ray, start the registry, the instances (in parallel) and the router;
         returns once the router has admitted every instance. Stops what it started if any
         of it fails."""
+        if not connected():
+            self._session = connect(self.config.connection)
+        self._connected = True
         import ray
 
-        self._owns_connection = not ray.is_initialized()
-        if self._owns_connection:
-            connect(self.config.connection)
-        self._connected = True
         try:
             registry_cls, _, _ = remote_classes()
             # On the driver's node, like the router: its state must outlive any other node.
@@ -132,8 +138,9 @@ class RayCluster:
                 ray.kill(handle, no_restart=True)
         self._actors.clear()
         self._router = self._registry = None
-        if self._owns_connection:
-            disconnect()
+        if self._session is not None:
+            disconnect(self._session)
+            self._session = None
         self._connected = False
 
     def __enter__(self) -> RayCluster:

@@ -15,13 +15,18 @@ hands them to the processes it starts); `connect` is called once per process.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import secrets
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from pdserve.options import option
+
+log = logging.getLogger(__name__)
 
 RAY_GROUP = "ray"  # where `pdserve up --help` lists the Ray flags
 
@@ -69,12 +74,29 @@ def ray_environment(local: bool) -> dict[str, str]:
     return env
 
 
-def connect(conn: RayConnection) -> None:
+def connected() -> bool:
+    """Whether this process is connected to Ray already, without importing Ray (which
+    would read its settings before `connect` has set them)."""
+    ray = sys.modules.get("ray")
+    return ray is not None and bool(ray.is_initialized())
+
+
+@dataclass(frozen=True)
+class RaySession:
+    """What `connect` did, for `disconnect`: whether it started a local cluster."""
+
+    local: bool
+
+
+def connect(conn: RayConnection) -> RaySession:
     """`ray.init` for `conn`: join `address`, or start a local loopback cluster that
     `disconnect` stops again."""
-    # Ray reads its authentication mode once, when imported: set it first, and if Ray was
-    # imported already, have it read the mode and token again (what `ray.init` itself
-    # does when it turns token authentication on).
+    session = RaySession(local=conn.local)
+    # Ray reads its settings once, when imported: set them first. If Ray was imported
+    # already, have it read the authentication mode and token again (what `ray.init` does
+    # when it turns token authentication on); `RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER` it does
+    # not read again, and a local cluster then registers the host's address instead of
+    # loopback, which is why callers ask `connected()` (it does not import Ray).
     imported = "ray" in sys.modules
     os.environ.update(ray_environment(conn.local))
     import ray
@@ -95,10 +117,37 @@ def connect(conn: RayConnection) -> None:
         )
     else:
         ray.init(address=conn.address, namespace=conn.namespace, log_to_driver=False)
+    return session
 
 
-def disconnect() -> None:
-    """Leave Ray; a local cluster started by `connect` stops with it."""
+def disconnect(session: RaySession, grace_s: float = 10.0) -> None:
+    """Leave Ray; a local cluster started by `connect` stops with it, every process of it:
+    those still there `grace_s` after `ray.shutdown()` are killed (by PID). Ray stops its
+    GCS and raylet, but a worker that was still starting, or one whose `ray.kill` had not
+    arrived yet, can outlive them, orphaned."""
+    import psutil  # the ray extra
     import ray
 
+    ours = _ray_processes(ray) if session.local else []
     ray.shutdown()
+    _, alive = psutil.wait_procs(ours, timeout=grace_s)
+    for proc in alive:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            name = proc.name()
+            log.warning("Ray's process %d (%s) outlived the cluster: killing it", proc.pid, name)
+            proc.kill()
+    psutil.wait_procs(alive, timeout=grace_s)
+
+
+def _ray_processes(ray: Any) -> list[Any]:
+    """The local cluster's processes (psutil.Process): this process's children that run
+    Ray's programs (GCS, raylet, monitors), and everything below them (the workers)."""
+    import psutil
+
+    ray_dir = os.path.dirname(ray.__file__)
+    found = []
+    for child in psutil.Process().children():
+        with contextlib.suppress(psutil.Error):
+            if any(ray_dir in arg for arg in child.cmdline()):
+                found += [child, *child.children(recursive=True)]
+    return found
