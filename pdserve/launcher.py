@@ -71,10 +71,10 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-
-import httpx
+from urllib.parse import urlsplit
 
 from pdserve.config import API_KEY_ENV, TOKEN_ENV, LogLevel, Role, TransferMode, TransportKind
+from pdserve.http_client import Client, HttpError
 from pdserve.logdir import LogDirError, private_dir, private_file
 from pdserve.options import add_options, from_args, option
 from pdserve.ports import EXIT_ADDRESS_IN_USE, free_ports, listens
@@ -685,7 +685,7 @@ def _connect_host(bind_host: str) -> str:
 
 
 def _port_of(url: str) -> int:
-    return httpx.URL(url).port or 80
+    return urlsplit(url).port or 80
 
 
 def _thread_affinities(pid: int) -> Iterator[tuple[int, set[int]]]:
@@ -698,13 +698,13 @@ def _thread_affinities(pid: int) -> Iterator[tuple[int, set[int]]]:
 def _wait_healthy(
     procs: Sequence[ManagedProcess],
     deadline: float,
-    ready: Callable[[httpx.Client, ManagedProcess], bool] | None = None,
+    ready: Callable[[Client, ManagedProcess], bool] | None = None,
 ) -> None:
     """Return when every process is `ready` (default `is_healthy`); raise ClusterError with
     the log tail of the first process that exits or of those not ready at the deadline."""
     ready = ready or is_healthy
     pending = list(procs)
-    with httpx.Client(trust_env=False, timeout=1.0) as client:
+    with Client(timeout_s=1.0) as client:
         while pending:
             for p in list(pending):
                 if not p.alive():
@@ -724,7 +724,7 @@ def _wait_healthy(
                 time.sleep(0.2)
 
 
-def router_sees_all(client: httpx.Client, p: ManagedProcess) -> bool:
+def router_sees_all(client: Client, p: ManagedProcess) -> bool:
     """The router answers /health 200 having admitted every instance: a router that serves
     degraded (no prefill instance admitted yet: it would prefill on decode) is not ready
     for a cluster that is just starting."""
@@ -732,20 +732,20 @@ def router_sees_all(client: httpx.Client, p: ManagedProcess) -> bool:
         r = client.get(f"{p.url}/health")
         body = r.json()
         complete = all(body[role]["healthy"] == body[role]["total"] for role in _ROLES)
-    except (httpx.HTTPError, ValueError, KeyError, TypeError):
+    except (HttpError, ValueError, KeyError, TypeError):
         return False
-    return r.status_code == 200 and complete and listens(p.pid, _port_of(p.url))
+    return r.status == 200 and complete and listens(p.pid, _port_of(p.url))
 
 
 _ROLES = ("prefill", "decode")
 
 
-def is_healthy(client: httpx.Client, p: ManagedProcess) -> bool:
+def is_healthy(client: Client, p: ManagedProcess) -> bool:
     """`p` answers /health 200, and it is `p` that answers: a process that another one
     beat to its port must not pass for healthy on that one's answers."""
     try:
-        ok = client.get(f"{p.url}/health").status_code == 200
-    except httpx.HTTPError:
+        ok = client.get(f"{p.url}/health").status == 200
+    except HttpError:
         return False
     return ok and listens(p.pid, _port_of(p.url))
 

@@ -2,8 +2,9 @@
 
 Writing (`data_event`): JSON encoders (pydantic, msgspec) write U+2028, U+2029 and U+0085
 raw inside strings, and model output contains them. The SSE spec does not end a line
-there, but clients that split lines like `str.splitlines` do (httpx's `aiter_lines`,
-httpx-sse before 0.4.2), and they then fail on half an event. JSON allows these characters
+there, but clients that split lines like `str.splitlines` do (the line iterator of a
+common Python HTTP client, and its SSE add-on before 0.4.2), and they then fail on half an
+event. JSON allows these characters
 only inside strings, where the `\\uXXXX` escape means the same text, so escaping them
 everywhere is lossless.
 

@@ -34,8 +34,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-import httpx
-
+from pdserve.http_client import Client
 from pdserve.launcher import Cluster, ManagedProcess, is_healthy
 from pdserve.restarts import GiveUp, Restart, RestartBudget, RestartPolicy, Verdict
 
@@ -99,7 +98,7 @@ class ClusterLost:
 
 
 Event = ChildFailed | ChildBack | NoPrefillLeft | ClusterLost
-Probe = Callable[[httpx.Client, ManagedProcess], bool]  # is this (restarted) child healthy?
+Probe = Callable[[Client, ManagedProcess], bool]  # is this (restarted) child healthy?
 
 
 def describe(event: Event) -> str:
@@ -212,7 +211,7 @@ class Supervisor:
             os.kill(proc.pid, sig)
             return proc.pid
 
-    def poll(self, client: httpx.Client | None = None) -> Loss | None:
+    def poll(self, client: Client | None = None) -> Loss | None:
         """Look at every child once and act on what changed; the `Loss` once the cluster
         cannot serve (then nothing more is restarted)."""
         with self._lock, contextlib.ExitStack() as stack:
@@ -248,10 +247,10 @@ class Supervisor:
 
     # -- one child ------------------------------------------------------------------------
 
-    def _client(self) -> httpx.Client:
-        return httpx.Client(trust_env=False, timeout=self._health_timeout_s)
+    def _client(self) -> Client:
+        return Client(timeout_s=self._health_timeout_s)
 
-    def _step(self, child: _Child, client: httpx.Client) -> None:
+    def _step(self, child: _Child, client: Client) -> None:
         proc = self.cluster.process(child.name)
         now = self._clock()
         match child.state:
@@ -263,9 +262,7 @@ class Supervisor:
             case ChildState.STARTING:
                 self._starting(child, proc, client, now)
 
-    def _starting(
-        self, child: _Child, proc: ManagedProcess, client: httpx.Client, now: float
-    ) -> None:
+    def _starting(self, child: _Child, proc: ManagedProcess, client: Client, now: float) -> None:
         if not proc.alive():
             self._failed(child, proc, Died(proc.popen.returncode), now)
         elif self._probe(client, proc):

@@ -9,12 +9,15 @@ import math
 import os
 import sys
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 
+import aiohttp
 import httpx
 import msgspec
 import numpy as np
 import pytest
+from aiohttp import web
 
 from pdserve.bench import soak
 from pdserve.bench.soak_report import (
@@ -79,7 +82,8 @@ def test_http_causes_group_by_status_type_and_message_prefix() -> None:
     assert cause_of_http(400, b'{"error":"plain text"}') == "HTTP 400 plain text"
     event = b'{"message":"decode instance died","type":"upstream_error"}'
     assert cause_of_stream_error(event) == "stream error upstream_error: decode instance died"
-    assert cause_of_exception(httpx.ReadError("boom")) == "transport ReadError"
+    disconnected = aiohttp.ServerDisconnectedError()
+    assert cause_of_exception(disconnected) == "transport ServerDisconnectedError"
 
 
 def test_group_causes_counts_most_frequent_first() -> None:
@@ -453,17 +457,32 @@ def test_oracle_reports_wrong_and_unanswered_outputs(
     ]
 
 
-def _sse_client(body: bytes) -> httpx.AsyncClient:
-    """A client whose every POST streams `body` back as an SSE answer, in 7-byte pieces."""
+@asynccontextmanager
+async def _sse_server(body: bytes) -> AsyncIterator[tuple[aiohttp.ClientSession, str]]:
+    """A session and the completions URL of a local server that answers every POST with
+    `body` as an SSE stream, sent in 7-byte pieces."""
 
-    async def pieces() -> AsyncIterator[bytes]:
+    async def answer(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await resp.prepare(request)
         for i in range(0, len(body), 7):
-            yield body[i : i + 7]
+            await resp.write(body[i : i + 7])
+            await asyncio.sleep(0.001)  # each piece read on its own
+        await resp.write_eof()
+        return resp
 
-    def answer(request: httpx.Request) -> httpx.Response:
-        return httpx.Response(200, content=pieces())
-
-    return httpx.AsyncClient(transport=httpx.MockTransport(answer))
+    app = web.Application()
+    app.router.add_post("/v1/completions", answer)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    try:
+        async with aiohttp.ClientSession() as http:
+            yield http, f"http://127.0.0.1:{port}/v1/completions"
+    finally:
+        await runner.cleanup()
 
 
 def _token_event(text: str) -> bytes:
@@ -484,8 +503,8 @@ def test_a_streamed_soak_request_stops_at_its_abort_point_or_done(
     seen = [0]
 
     async def run() -> bool:
-        async with _sse_client(body) as http:
-            return await _stream_until_abort(http, "http://x/v1/completions", "m", req, seen)
+        async with _sse_server(body) as (http, url):
+            return await _stream_until_abort(http, url, "m", req, seen)
 
     assert asyncio.run(run()) is completed
     assert seen == [abort_after if not completed else 3]
@@ -498,8 +517,8 @@ def test_an_error_event_fails_a_streamed_soak_request() -> None:
     req = SoakRequest(index=0, prompt=[1], max_tokens=3, arrival_s=0.0, abort_after_tokens=5)
 
     async def run() -> bool:
-        async with _sse_client(body) as http:
-            return await _stream_until_abort(http, "http://x/v1/completions", "m", req, [0])
+        async with _sse_server(body) as (http, url):
+            return await _stream_until_abort(http, url, "m", req, [0])
 
     with pytest.raises(_Failed) as failed:
         asyncio.run(run())

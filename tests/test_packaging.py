@@ -19,6 +19,7 @@ import pytest
 from pdserve import cli
 
 TOOL_ONLY = sorted(cli.TOOL_EXTRAS)
+TEST_ONLY = ["httpx"]  # the `test` extra's HTTP client: pdserve's own is aiohttp
 SERVING_PACKAGES = (
     "pdserve.model",
     "pdserve.kv",
@@ -51,8 +52,9 @@ print(json.dumps({{"loaded": loaded, "skipped": skipped}}))
 """
 
 
-def test_serving_modules_need_no_tool_package() -> None:
-    code = PROBE.format(modules=SERVING_MODULES, packages=SERVING_PACKAGES, tools=TOOL_ONLY)
+def test_serving_modules_need_no_tool_or_test_package() -> None:
+    tools = TOOL_ONLY + TEST_ONLY
+    code = PROBE.format(modules=SERVING_MODULES, packages=SERVING_PACKAGES, tools=tools)
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=240, check=False
     )

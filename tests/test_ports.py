@@ -14,10 +14,10 @@ from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-import httpx
 import pytest
 import zmq
 
+from pdserve.http_client import Client
 from pdserve.launcher import ManagedProcess, is_healthy
 from pdserve.ports import bind_socket, free_ports, is_address_in_use, listens
 
@@ -90,8 +90,8 @@ def test_health_answered_by_another_process_does_not_count(tmp_path: Path) -> No
     threading.Thread(target=server.serve_forever, daemon=True).start()
     url = f"http://127.0.0.1:{server.server_address[1]}"
     try:
-        with sleeper() as child, httpx.Client(trust_env=False) as client:
-            assert client.get(f"{url}/health").status_code == 200
+        with sleeper() as child, Client(timeout_s=5.0) as client:
+            assert client.get(f"{url}/health").status == 200
             beaten = ManagedProcess("prefill-0", "prefill", url, child, None, tmp_path / "log")
             assert not is_healthy(client, beaten)
     finally:

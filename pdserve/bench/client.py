@@ -7,10 +7,10 @@ they arrive and returns a `RequestRecord`; it never raises for a server or netwo
 failed record with a one-line message. `StreamTimer` is the I/O-free part, fed the stream's
 bytes and their arrival time a chunk at a time, so it can be tested without a server.
 
-The client is aiohttp (`open_session`), not httpx like pdserve's other tools: on 2 cores the
-load generator shares a core with the system it measures, and aiohttp costs about half
-httpx's CPU per streamed token (docs/results.md, "the bench client is aiohttp"). A token's
-arrival time is when the chunk that completes its event was read.
+The client is aiohttp (`open_session`), pdserve's one HTTP client library: on 2 cores the
+load generator shares a core with the system it measures, and aiohttp costs about half the
+CPU per streamed token of the library it replaced (docs/results.md, "the bench client is
+aiohttp"). A token's arrival time is when the chunk that completes its event was read.
 
 Chat streams: every chunk with a choice is a token (as for completions) except the one that
 only announces the assistant's role (`{"role": "assistant", "content": ""}`): pdserve sends

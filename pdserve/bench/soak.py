@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import sys
 import time
@@ -42,7 +43,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
-import httpx
+import aiohttp
 import msgspec
 import numpy as np
 from tqdm import tqdm
@@ -52,6 +53,7 @@ from pdserve.bench.soak_kills import (
     KILL_ROLES,
     KillRole,
     plan_kills,
+    read_incarnation,
     run_kills,
     soak_restart_policy,
 )
@@ -84,7 +86,6 @@ from pdserve.bench.soak_traffic import (
     send,
 )
 from pdserve.config import TransferMode, TransportKind
-from pdserve.keepalive import client_limits
 from pdserve.launcher import Cluster, ClusterConfig, ClusterError
 from pdserve.options import add_options, from_args, option
 from pdserve.supervisor import Event, Supervisor, describe
@@ -98,6 +99,7 @@ SETTLE_S = 5.0
 _TAKEN_BACK_TIMEOUT_S = 120.0  # waiting for the router to take P back, at most
 WARMUP_TOKENS = 4
 _TIMEOUT_MARGIN_S = 30.0  # the router's own bound sits above the client's
+_LOAD_TIMEOUT = aiohttp.ClientTimeout(sock_connect=5.0, sock_read=5.0)  # each /load read
 
 
 def _kill_roles(text: str) -> tuple[KillRole, ...]:
@@ -207,16 +209,18 @@ def _rngs(seed: int) -> list[np.random.Generator]:
     return [np.random.default_rng(s) for s in np.random.SeedSequence(seed).spawn(5)]
 
 
-def _http(cfg: SoakConfig) -> httpx.AsyncClient:
-    return httpx.AsyncClient(
-        timeout=httpx.Timeout(cfg.request_timeout_s, connect=10.0),
-        limits=client_limits(cfg.max_concurrency + 4),
-        trust_env=False,
-    )
+def _http(cfg: SoakConfig) -> aiohttp.ClientSession:
+    """The soak's session: a pool of at most `max_concurrency` + 4 connections (the
+    requests in flight and the soak's own reads); the caller closes it."""
+    return open_session(cfg.request_timeout_s, cfg.max_concurrency + 4)
 
 
 async def _derive_rate(
-    http: httpx.AsyncClient, url: str, model: str, cfg: SoakConfig, rng: np.random.Generator
+    http: aiohttp.ClientSession,
+    url: str,
+    model: str,
+    cfg: SoakConfig,
+    rng: np.random.Generator,
 ) -> float:
     """Warm up with two requests of the mean input length; the second one's latency sets
     the rate (`cfg.request_rate` wins when given)."""
@@ -232,26 +236,18 @@ async def _derive_rate(
     return cfg.request_rate or cfg.target_load / latency
 
 
-async def _incarnation(http: httpx.AsyncClient, url: str, token: str) -> str | None:
-    headers = route_headers(token, "/kv/info")  # a route for routers: needs the proof
-    try:
-        return str((await http.get(f"{url}/kv/info", headers=headers)).json()["incarnation"])
-    except (httpx.HTTPError, ValueError, KeyError, TypeError):
-        return None
-
-
 async def _restart_prefill(
-    cluster: Cluster, http: httpx.AsyncClient, at_s: float, t0: float
+    cluster: Cluster, http: aiohttp.ClientSession, at_s: float, t0: float
 ) -> RestartInfo:
     """At `at_s` into the traffic: SIGKILL P by PID, then start it again (same ports)."""
     await asyncio.sleep(max(0.0, at_s - (time.monotonic() - t0)))
     old = cluster.instance(PREFILL)
-    old_incarnation = await _incarnation(http, old.url, cluster.cluster_token)
+    old_incarnation = await read_incarnation(http, old.url, cluster.cluster_token)
     await asyncio.to_thread(cluster.kill_instance, PREFILL)
     killed = time.monotonic() - t0
     new = await asyncio.to_thread(cluster.restart_instance, PREFILL)
     ready = time.monotonic() - t0
-    new_incarnation = await _incarnation(http, new.url, cluster.cluster_token)
+    new_incarnation = await read_incarnation(http, new.url, cluster.cluster_token)
     taken_back = await _router_took_back(http, cluster, new.url, new_incarnation)
     return RestartInfo(
         instance=PREFILL,
@@ -266,7 +262,7 @@ async def _restart_prefill(
 
 
 async def _router_took_back(
-    http: httpx.AsyncClient, cluster: Cluster, url: str, incarnation: str | None
+    http: aiohttp.ClientSession, cluster: Cluster, url: str, incarnation: str | None
 ) -> float:
     """When (time.monotonic()) the router was seen to have admitted the instance at `url`
     again and, in push mode, to know its new incarnation (from /kv/info; a push router
@@ -277,33 +273,42 @@ async def _router_took_back(
     proof = route_headers(cluster.cluster_token, "/router/instances")
     while time.monotonic() < deadline:
         try:
-            rows = (await http.get(f"{cluster.router_url}/router/instances", headers=proof)).json()
+            async with http.get(f"{cluster.router_url}/router/instances", headers=proof) as resp:
+                rows = json.loads(await resp.read())
             row = next(r for r in rows if r["url"] == url)
             knows = (row["info"] or {}).get("incarnation") == incarnation
             if row["admitted"] and (knows or cluster.config.kv_transfer != "push"):
                 return time.monotonic()
-        except (httpx.HTTPError, ValueError, KeyError, TypeError, StopIteration):
+        except (
+            aiohttp.ClientError,
+            asyncio.TimeoutError,
+            ValueError,
+            KeyError,
+            TypeError,
+            StopIteration,
+        ):
             pass
         await asyncio.sleep(0.1)
     return time.monotonic()
 
 
-async def _read_blocks(http: httpx.AsyncClient, cluster: Cluster) -> list[InstanceBlocks]:
+async def _read_blocks(http: aiohttp.ClientSession, cluster: Cluster) -> list[InstanceBlocks]:
     found = []
     for p in cluster.instances:
         try:
             proof = route_headers(cluster.cluster_token, "/load")
-            resp = await http.get(f"{p.url}/load", headers=proof, timeout=5.0)
-            resp.raise_for_status()
-            found.append(blocks_from_load(p.name, p.pid, p.restarts, resp.content))
-        except (httpx.HTTPError, msgspec.DecodeError) as exc:
+            async with http.get(f"{p.url}/load", headers=proof, timeout=_LOAD_TIMEOUT) as resp:
+                resp.raise_for_status()
+                body = await resp.read()
+            found.append(blocks_from_load(p.name, p.pid, p.restarts, body))
+        except (aiohttp.ClientError, asyncio.TimeoutError, msgspec.DecodeError) as exc:
             alive = "alive" if p.alive() else f"exited {p.popen.returncode}"
             found.append(unreadable_instance(p.name, p.pid, p.restarts, f"{exc!r} ({alive})"))
     return found
 
 
 async def drain(
-    http: httpx.AsyncClient, cluster: Cluster, timeout_s: float
+    http: aiohttp.ClientSession, cluster: Cluster, timeout_s: float
 ) -> list[InstanceBlocks]:
     """Poll every instance's pool until all are drained or `timeout_s` passes; the last
     reading (what is still used then is leaked)."""
@@ -366,8 +371,7 @@ async def _run_traffic(
     rngs = _rngs(cfg.seed)
     async with _http(cfg) as http:
         url = f"{cluster.router_url}/v1/completions"
-        async with open_session(cfg.request_timeout_s) as session:
-            model = await first_model(session, cluster.router_url)
+        model = await first_model(http, cluster.router_url)
         rate = await _derive_rate(http, url, model, cfg, rngs[2])
         print(f"soak: {cfg.mode}, {rate:.2f} req/s for {cfg.duration_s:.0f} s", file=sys.stderr)
         slots = asyncio.Semaphore(cfg.max_concurrency)

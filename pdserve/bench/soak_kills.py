@@ -15,14 +15,16 @@ awaits them all before returning.
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import time
 from collections.abc import Sequence
 from typing import Literal
 
-import httpx
+import aiohttp
 import numpy as np
 
+from pdserve.bench.client import open_session
 from pdserve.bench.soak_report import KillInfo
 from pdserve.restarts import RestartPolicy
 from pdserve.supervisor import Supervisor
@@ -69,7 +71,7 @@ async def run_kills(
     for p in sup.cluster.processes:
         names_by_role.setdefault(p.role, []).append(p.name)
     kills: list[asyncio.Task[KillInfo]] = []
-    async with httpx.AsyncClient(timeout=5.0, trust_env=False) as http:
+    async with open_session(5.0) as http:
         for at in times:
             await asyncio.sleep(max(0.0, at - (time.monotonic() - t0)))
             role, name = choose_victim(roles, names_by_role, rng)
@@ -80,7 +82,7 @@ async def run_kills(
 
 async def _kill_and_follow(
     sup: Supervisor,
-    http: httpx.AsyncClient,
+    http: aiohttp.ClientSession,
     name: str,
     role: KillRole,
     t0: float,
@@ -89,7 +91,7 @@ async def _kill_and_follow(
     """SIGKILL `name` through the supervisor and wait until it is back."""
     url = sup.cluster.process(name).url  # the same before and after a restart
     token = sup.cluster.cluster_token
-    old_incarnation = None if role == "router" else await _incarnation(http, url, token)
+    old_incarnation = None if role == "router" else await read_incarnation(http, url, token)
     old_pid = await asyncio.to_thread(sup.kill, name)
     killed_s = time.monotonic() - t0
     if old_pid is None:  # not running: being restarted after an earlier kill
@@ -101,21 +103,27 @@ async def _kill_and_follow(
         pid = await asyncio.to_thread(sup.running_pid, name)
         new_pid = pid if pid != old_pid else None
     back = new_pid is not None
+    back_s = time.monotonic() - t0 if back else None
+    new_incarnation = None
+    if back and role != "router":
+        new_incarnation = await read_incarnation(http, url, token)
     return KillInfo(
         instance=name,
         role=role,
         killed_s=killed_s,
-        back_s=time.monotonic() - t0 if back else None,
+        back_s=back_s,
         old_pid=old_pid,
         new_pid=new_pid,
         old_incarnation=old_incarnation,
-        new_incarnation=await _incarnation(http, url, token) if back and role != "router" else None,
+        new_incarnation=new_incarnation,
     )
 
 
-async def _incarnation(http: httpx.AsyncClient, url: str, token: str) -> str | None:
+async def read_incarnation(http: aiohttp.ClientSession, url: str, token: str) -> str | None:
+    """The incarnation the instance at `url` gives in its /kv/info (None: no such answer)."""
     headers = route_headers(token, "/kv/info")  # a route for routers: needs the proof
     try:
-        return str((await http.get(f"{url}/kv/info", headers=headers)).json()["incarnation"])
-    except (httpx.HTTPError, ValueError, KeyError, TypeError):
+        async with http.get(f"{url}/kv/info", headers=headers) as resp:
+            return str(json.loads(await resp.read())["incarnation"])
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError, TypeError):
         return None

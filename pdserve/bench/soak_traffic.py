@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Literal
 
-import httpx
+import aiohttp
 import msgspec
 import numpy as np
 
@@ -171,14 +171,18 @@ class _Clock:
         return time.monotonic() - self.t0
 
 
-async def _send_kept(http: httpx.AsyncClient, url: str, model: str, req: SoakRequest) -> list[int]:
-    resp = await http.post(url, json=request_body(model, req, stream=False))
-    if resp.status_code != 200:
-        raise _Failed(cause_of_http(resp.status_code, resp.content), resp.text)
+async def _send_kept(
+    http: aiohttp.ClientSession, url: str, model: str, req: SoakRequest
+) -> list[int]:
+    async with http.post(url, json=request_body(model, req, stream=False)) as resp:
+        status, body = resp.status, await resp.read()
+    text = body.decode(errors="replace")
+    if status != 200:
+        raise _Failed(cause_of_http(status, body), text)
     try:
-        choice = _COMPLETION.decode(resp.content).choices[0]
+        choice = _COMPLETION.decode(body).choices[0]
     except (msgspec.DecodeError, IndexError) as exc:
-        raise _Failed("bad response body", f"{exc}: {resp.text}") from None
+        raise _Failed("bad response body", f"{exc}: {text}") from None
     ids = choice.token_ids
     if ids is None or len(ids) != req.max_tokens:
         got = "no" if ids is None else str(len(ids))
@@ -187,17 +191,18 @@ async def _send_kept(http: httpx.AsyncClient, url: str, model: str, req: SoakReq
 
 
 async def _stream_until_abort(
-    http: httpx.AsyncClient, url: str, model: str, req: SoakRequest, seen: list[int]
+    http: aiohttp.ClientSession, url: str, model: str, req: SoakRequest, seen: list[int]
 ) -> bool:
     """Read the stream until the abort point (returns False) or its end (True); `seen[0]`
-    counts token chunks. Leaving the `async with` closes the connection: the abort."""
-    async with http.stream("POST", url, json=request_body(model, req, stream=True)) as resp:
-        if resp.status_code != 200:
-            body = await resp.aread()
-            raise _Failed(cause_of_http(resp.status_code, body), body.decode(errors="replace"))
-        # pdserve.sse, not aiter_lines: that also splits at U+2028/U+2029/U+0085 inside JSON.
+    counts token chunks. Leaving the `async with` before the stream's end closes the
+    connection (aiohttp pools only a connection whose answer was read whole): the abort."""
+    async with http.post(url, json=request_body(model, req, stream=True)) as resp:
+        if resp.status != 200:
+            body = await resp.read()
+            raise _Failed(cause_of_http(resp.status, body), body.decode(errors="replace"))
+        # pdserve.sse, not a line splitter: those also split at U+2028/U+2029/U+0085 in JSON.
         decoder = SseDecoder()
-        async for raw in resp.aiter_bytes():
+        async for raw in resp.content.iter_any():
             for data in decoder.feed(raw):
                 if data == "[DONE]":
                     return True
@@ -218,19 +223,26 @@ def _counts_token(data: str, seen: list[int], req: SoakRequest) -> bool:
 
 
 async def _send_aborted(
-    http: httpx.AsyncClient, url: str, model: str, req: SoakRequest, seen: list[int]
+    http: aiohttp.ClientSession, url: str, model: str, req: SoakRequest, seen: list[int]
 ) -> bool:
     """True if the stream completed before its abort point, False if the client closed it."""
     try:
         return await asyncio.wait_for(
             _stream_until_abort(http, url, model, req, seen), req.abort_after_s
         )
+    except aiohttp.ServerTimeoutError:  # a socket read timed out: a failure, not the abort
+        raise
     except asyncio.TimeoutError:  # the timed abort point came first (maybe during prefill)
         return False
 
 
 async def send(
-    http: httpx.AsyncClient, url: str, model: str, req: SoakRequest, t0: float, timeout_s: float
+    http: aiohttp.ClientSession,
+    url: str,
+    model: str,
+    req: SoakRequest,
+    t0: float,
+    timeout_s: float,
 ) -> SoakOutcome:
     """Send `req` to the completions `url`; never raises except for cancellation.
 

@@ -40,7 +40,6 @@ def main(args: argparse.Namespace) -> int:
     """Start the cluster, print where it is, and supervise it (restarting children that die)
     until Ctrl-C or SIGTERM, or until it cannot serve any more (exit status 1)."""
     logging.basicConfig(level=logging.INFO, format="pdserve up: %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per health poll otherwise
     try:
         policy = restart_policy_from_args(args)
     except ValueError as exc:

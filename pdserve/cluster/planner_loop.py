@@ -16,9 +16,9 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-import httpx
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from pdserve import http_client
 from pdserve.cluster.ray_cluster import RayCluster, Role
 from pdserve.planner.config import PlannerConfig
 from pdserve.planner.observe import Buckets, histogram_buckets, observation
@@ -126,9 +126,9 @@ class RayPlannerLoop:
 
     def _scrape(self) -> Buckets:
         try:
-            r = httpx.get(f"{self.cluster.router_url}/metrics", timeout=5.0, trust_env=False)
+            r = http_client.get(f"{self.cluster.router_url}/metrics", timeout_s=5.0)
             r.raise_for_status()
-        except httpx.HTTPError as exc:
+        except http_client.HttpError as exc:
             log.warning("planner: cannot read the router's metrics: %s", exc)
             return {}
         return histogram_buckets(r.text)

@@ -23,10 +23,9 @@ import time
 from dataclasses import dataclass
 from typing import Any, Literal
 
-import httpx
-
 from pdserve.cluster.registry import InstanceRecord, Registry
 from pdserve.faults import NO_FAULTS, Faults
+from pdserve.http_client import Client, HttpError
 from pdserve.launcher import TOKEN_ENV
 from pdserve.ports import bind_socket, free_ports
 from pdserve.router.membership import Membership
@@ -128,14 +127,14 @@ def _exit_after(server: threading.Thread) -> None:
 
 def _wait_serving(url: str, server: threading.Thread, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
-    with httpx.Client(trust_env=False, timeout=2.0) as client:
+    with Client(timeout_s=2.0) as client:
         while time.monotonic() < deadline:
             if not server.is_alive():
                 raise RuntimeError(f"the instance at {url} stopped during start-up")
             try:
-                if client.get(f"{url}/health").status_code == 200:
+                if client.get(f"{url}/health").status == 200:
                     return
-            except httpx.HTTPError:
+            except HttpError:
                 pass
             time.sleep(HEALTH_POLL_S)
     raise RuntimeError(f"the instance at {url} was not healthy within {timeout_s:.0f} s")

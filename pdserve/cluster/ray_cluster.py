@@ -26,9 +26,9 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
-import httpx
 import msgspec
 
+from pdserve import http_client
 from pdserve.cluster.ray_actors import (
     InstanceActorSpec,
     RouterActorSpec,
@@ -44,6 +44,7 @@ from pdserve.cluster.ray_local import (
 )
 from pdserve.cluster.registry import InstanceRecord
 from pdserve.faults import NO_FAULTS, Faults
+from pdserve.http_client import Client, HttpError
 from pdserve.launcher import ClusterConfig
 from pdserve.options import from_flag, option
 from pdserve.server.load_report import LoadReport
@@ -210,13 +211,13 @@ class RayCluster:
     def wait_router_sees(self, count: int, timeout_s: float | None = None) -> None:
         """Wait until the router has admitted `count` instances."""
         deadline = time.monotonic() + (timeout_s or self.config.cluster.startup_timeout_s)
-        with httpx.Client(trust_env=False, timeout=2.0) as client:
+        with Client(timeout_s=2.0) as client:
             while True:
                 try:
                     body = client.get(f"{self.router_url}/health").json()
                     if sum(body[r]["healthy"] for r in ("prefill", "decode")) == count:
                         return
-                except (httpx.HTTPError, ValueError, KeyError, TypeError):
+                except (HttpError, ValueError, KeyError, TypeError):
                     pass
                 _before(deadline, f"the router did not admit {count} instances")
                 time.sleep(DRAIN_POLL_S)
@@ -351,10 +352,10 @@ def _alive(handle: Any, attempts: int = 10) -> bool:
 def _load(url: str, token: str) -> LoadReport | None:
     try:
         headers = route_headers(token, "/load")
-        r = httpx.get(f"{url}/load", headers=headers, timeout=2.0, trust_env=False)
+        r = http_client.get(f"{url}/load", headers, timeout_s=2.0)
         r.raise_for_status()
-        return msgspec.json.decode(r.content, type=LoadReport)
-    except (httpx.HTTPError, msgspec.DecodeError):
+        return msgspec.json.decode(r.body, type=LoadReport)
+    except (HttpError, msgspec.DecodeError):
         return None
 
 

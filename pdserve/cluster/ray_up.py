@@ -28,7 +28,6 @@ _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 def main(args: argparse.Namespace) -> int:
     """Start on Ray, print the table, watch (and plan) until a stop signal."""
     logging.basicConfig(level=logging.INFO, format="pdserve up: %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)
     if args.monolithic:
         print("pdserve up: --ray starts a P/D cluster (use --kv-transfer)", file=sys.stderr)
         return 2

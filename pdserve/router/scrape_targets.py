@@ -18,8 +18,9 @@ from collections import defaultdict
 from typing import Any
 from urllib.parse import urlsplit
 
-import httpx
 from prometheus_client.parser import text_string_to_metric_families
+
+from pdserve import http_client
 
 INSTANCES_FAMILY = "pdserve_router_instance_admitted"
 
@@ -42,7 +43,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("router", help="the router's URL, e.g. http://127.0.0.1:8000")
     args = parser.parse_args(argv)
-    resp = httpx.get(f"{args.router.rstrip('/')}/metrics", timeout=10)
+    resp = http_client.get(f"{args.router.rstrip('/')}/metrics", timeout_s=10)
     resp.raise_for_status()
     print(json.dumps(targets(resp.text), indent=2))
 

@@ -1,10 +1,11 @@
 """The router's HTTP client to its instances: legs, health checks, `/load`, `/tokenize`.
 
-It is aiohttp, not httpx like the launcher and `soak`, because the router shares P's core and
-its CPU per request is taken from P's prefills. Measured on the 2-core machine (client on one
-core, a uvicorn server on the other; docs/results.md, "the router's client is aiohttp"): a 6 KB
-POST costs 1.6-2.0 ms of client CPU in httpx and 0.4 ms in aiohttp; each chunk of a stream
-0.41-0.47 ms in httpx and 0.19-0.20 ms in aiohttp, against 0.14 ms for a bare asyncio socket.
+It is aiohttp, pdserve's one HTTP client library, chosen here first because the router
+shares P's core and its CPU per request is taken from P's prefills. Measured on the 2-core
+machine (client on one core, a uvicorn server on the other; docs/results.md, "the router's
+client is aiohttp"): a 6 KB POST costs 0.4 ms of client CPU in aiohttp against 1.6-2.0 ms in
+the library pdserve's tools used before; each chunk of a stream 0.19-0.20 ms against
+0.41-0.47 ms, and 0.14 ms for a bare asyncio socket.
 
 Errors: every failure on the wire comes out as an `UpstreamError` (timeout, connect, or
 protocol), so the callers handle one family and never see aiohttp's.
