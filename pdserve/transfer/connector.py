@@ -135,6 +135,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 # How long one blocking wait on a transfer lasts before it checks again (tcp wakes earlier).
+# Only while a transfer is in flight (`run_transfer`): no thread waits on it when idle.
 _TRANSFER_WAKE_S = 0.05
 _MAX_MET = 1024  # addresses remembered as having answered a handshake once
 
@@ -235,6 +236,9 @@ class KVConnector:
         self._met: dict[Address, None] = {}
         self._warn = {c: Throttled(log) for c in TransferCause}  # one line per cause per 10 s
         self._closing = threading.Event()
+        # Set while the heartbeat has peers to ping (`poll` sets it; the heartbeat clears it
+        # and sleeps on it when there are none, so an idle instance's heartbeat never wakes).
+        self._watching = threading.Event()
         self.side = SideChannel(
             self._on_message,
             cfg.side_host,
@@ -360,6 +364,8 @@ class KVConnector:
             {r.req.remote_address for r in self.receiving.values()}
             | {q.peer for q in self.quarantine.values()}
         ) - {None}
+        if self._watched and not self._watching.is_set():
+            self._watching.set()
         return out
 
     def _apply(self, item: object) -> list[Event]:
@@ -477,7 +483,14 @@ class KVConnector:
     def _heartbeat_loop(self) -> None:
         last_seen: dict[Address, float] = {}
         last_beat = time.monotonic()
-        while not self._closing.wait(self.cfg.heartbeat_s):
+        while not self._closing.is_set():
+            if not self._watched and not last_seen:  # nobody to ping: sleep until `poll`
+                self._watching.clear()
+                if not self._watched:  # checked after the clear: `poll` sets it after
+                    self._watching.wait()
+                last_beat = time.monotonic()  # that sleep was not a stall
+            if self._closing.wait(self.cfg.heartbeat_s):
+                break
             now = time.monotonic()
             # Time this thread itself did not run (a starved process on a loaded host) is
             # not the peers' silence: their pongs may sit unread. Credit it to every peer.
@@ -822,6 +835,7 @@ class KVConnector:
 
     def close(self) -> None:
         self._closing.set()
+        self._watching.set()  # wake an idle heartbeat
         self._heartbeat.join(2.0)
         self.side.close()
         self.transport.close()

@@ -45,6 +45,10 @@ P (completion watcher thread): blocks on each posted write until the transport f
   millisecond while writes are in flight (that poll took P's core and GIL from prefill).
   The tcp transport's wait is a condition variable; nixl needs polling to make progress, so
   there the watcher polls (every `_NIXL_POLL_S`), on its own thread.
+Idle, no thread of this module wakes: the writer waits on its inbox until its next deadline
+  (`_writer_next_deadline`; none: until an item comes), the watcher until a write is posted,
+  D's notification poller until a registration is queued or out (only then can a
+  notification matter, and only then must nixl be polled); `close` wakes each of them.
 """
 
 from __future__ import annotations
@@ -82,7 +86,14 @@ from pdserve.transfer.transport import TransferState
 
 log = logging.getLogger(__name__)
 
-_IDLE_WAKE_S = 0.05  # the writer's sweep period for deadlines when nothing else wakes it
+# How long one wait on a posted write lasts before the watcher checks `_stop` again (tcp
+# wakes at once when the write finishes; only while a write is pending, never idle).
+_WRITE_WAKE_S = 0.05
+# D's notification poller, while registrations are out: how long one wait lasts (tcp wakes
+# at once on a notification; nixl must be polled to make progress, so it polls meanwhile).
+_NOTIF_WAKE_S = 0.05
+_DEADLINE_SLACK_S = 0.001  # past a deadline, so its strict comparison holds when swept
+_RETRY_S = 0.05  # after a writer step that failed (a bug): sweep again this soon
 _NIXL_POLL_S = 0.001
 MAX_LANES = 64  # prefill instances D registers with at once; more fail at once
 LANE_IDLE_S = 30.0  # a registration lane's thread ends after this long without a job
@@ -194,6 +205,8 @@ class PushConnector(KVConnector):
         self._unsent: dict[str, Address] = {}
         self._p_of: dict[str, Address] = {}
         self._reg_lock = threading.Lock()
+        # D's notification poller waits on this while no registration is queued or out.
+        self._expecting = threading.Condition(self._reg_lock)
         self._lanes: Lanes[_Register] = Lanes(
             self._register, "pdserve-push-reg", MAX_LANES, LANE_IDLE_S
         )
@@ -201,8 +214,9 @@ class PushConnector(KVConnector):
         # tests wait on to know that D's registration reached P).
         self._registered: set[str] = set()
         self.writer_stats = WriterStats()
-        # Only the role's threads: each wakes every 50 ms, and an idle push D ran P's two
-        # for nothing (3.0% of a core for an idle cluster, against pull's 1.6%).
+        # Only the role's threads. Idle, none of them wakes: the writer sleeps until its next
+        # deadline (none: until an item comes), the watcher until a write is posted, D's
+        # notification poller until a registration is queued; `close` wakes them all.
         loops = []
         if self.cfg.role != "decode":  # P writes and watches its writes
             loops += [(self._writer_loop, "writer"), (self._watch_loop, "watch")]
@@ -232,8 +246,9 @@ class PushConnector(KVConnector):
         )
         peer = (p.remote_engine_id, (p.remote_host, p.remote_port), p.remote_incarnation)
         job = _Register(tid, peer, reg)
-        with self._reg_lock:
+        with self._expecting:  # `_reg_lock`: wakes the notification poller
             self._unsent[tid] = job.address
+            self._expecting.notify_all()
         if not self._lanes.submit(job.address, job):
             with self._reg_lock:
                 self._unsent.pop(tid, None)
@@ -274,8 +289,19 @@ class PushConnector(KVConnector):
             log.exception("push registration %s: could not send it", shown(tid))
 
     def _notif_loop(self) -> None:
+        """D: report P's PushDone notifications. Only while a registration is queued or out
+        (`_unsent`, `_p_of`) can one matter, and only then does nixl need polling for the
+        data to land; otherwise this blocks until `start_receive` or `close` wakes it (a
+        notification for a request already ended waits in the transport meanwhile, and is
+        stale when taken: its request no longer waits)."""
         while not self._stop.is_set():
-            for raw in self.transport.wait_notifs(0.05):
+            with self._expecting:
+                self._expecting.wait_for(
+                    lambda: self._stop.is_set() or bool(self._unsent or self._p_of)
+                )
+            if self._stop.is_set():
+                break
+            for raw in self.transport.wait_notifs(_NOTIF_WAKE_S):
                 try:
                     msg = m.decode(raw)
                 except (msgspec.DecodeError, msgspec.ValidationError):
@@ -347,6 +373,14 @@ class PushConnector(KVConnector):
             self._inbox.put(msg)
 
     # == P side: engine thread ============================================================
+    def prefill_admitted(self, req: RemoteRequest) -> None:
+        """P: also wake the writer if D's registration for it waits already: the writer
+        sweeps only at deadlines, and must see the prompt alive before the registration's
+        `unknown_transfer_grace_s` ends (`_writer_next_deadline`)."""
+        super().prefill_admitted(req)
+        if req.transfer_id in self._registered:
+            self._inbox.put(_WriteDone())
+
     def _prefill_done(self, req: RemoteRequest, first_token: int | None) -> KVTransferParams:
         h = self.hold(req, first_token, time.time(), lease=False)
         hop(h.transfer_id, "p.prefill_done", h.done_time)
@@ -401,9 +435,13 @@ class PushConnector(KVConnector):
     # == P side: writer thread ============================================================
     def _writer_loop(self) -> None:
         w = _WriterState()
+        wake_at: float | None = None  # the next deadline the writer sweeps; None: none
         while not self._stop.is_set():
+            # Blocks until an item comes (the watcher's `_WriteDone`, a message, `close`'s
+            # sentinel) or the next deadline passes; with no deadline, until an item comes.
+            timeout = None if wake_at is None else max(0.0, wake_at - time.monotonic())
             try:
-                item = self._inbox.get(timeout=_IDLE_WAKE_S)
+                item = self._inbox.get(timeout=timeout)
             except queue.Empty:
                 item = None
             try:
@@ -411,9 +449,12 @@ class PushConnector(KVConnector):
                     self._writer_take(w, item)
                 self._writer_pair(w)
                 self._writer_poll(w)
-                self._writer_expire(w, time.monotonic())
+                now = time.monotonic()
+                self._writer_expire(w, now)
+                wake_at = self._writer_next_deadline(w, now)
             except Exception:
                 log.exception("push writer step failed")
+                wake_at = time.monotonic() + _RETRY_S
             self.writer_stats.queue_depth = (
                 len(w.regs) + len(w.finished) + len(w.inflight) + len(w.streams)
             )
@@ -589,14 +630,13 @@ class PushConnector(KVConnector):
         raw = self.transport.transport
         blocking = self.transport.kind != "nixl"
         while not self._stop.is_set():
-            try:
-                handle = self._posted.get(timeout=_IDLE_WAKE_S)
-            except queue.Empty:
-                continue
+            handle = self._posted.get()  # blocks: idle, nothing wakes it but a post or close
+            if handle is None:  # `close`'s sentinel
+                break
             while not self._stop.is_set():
                 try:
                     if blocking:
-                        pending = raw.wait(handle, _IDLE_WAKE_S) is TransferState.PENDING
+                        pending = raw.wait(handle, _WRITE_WAKE_S) is TransferState.PENDING
                     else:
                         pending = raw.state(handle) is TransferState.PENDING
                 except Exception:  # released by the writer already: it saw it finish
@@ -719,6 +759,35 @@ class PushConnector(KVConnector):
             for tid in [t for t, v in d.items() if (v[1] if isinstance(v, tuple) else v) < now]:
                 del d[tid]
 
+    def _writer_next_deadline(self, w: _WriterState, now: float) -> float | None:
+        """When `_writer_expire` next has something to do, or None (nothing until an item
+        comes). Each deadline below is the one `_writer_expire` checks, plus a slack so its
+        strict comparison holds when the writer wakes.
+
+        A registration whose prompt is alive here has no deadline: the prompt's end queues
+        a `_Finished`/`_PrefillFailed` to the writer, and a prompt admitted after its
+        registration wakes the writer (`prefill_admitted`) so the sweep sees it alive.
+        """
+        grace, ttl = self.cfg.unknown_transfer_grace_s, self.cfg.registration_ttl_s
+        due: list[float] = [f.ready_at + self.cfg.lease_s for f in w.finished.values()]
+        if w.inflight or any(st.handles for st in w.streams.values()):
+            # Writes in flight: the watcher wakes the writer when each finishes; this poll
+            # (only while some write is pending, never idle) covers a wake it could not
+            # give, e.g. a handle the raw transport does not know (a wrapped transport).
+            due.append(now + _WRITE_WAKE_S)
+        if any(t in w.aborted for t in w.finished):
+            due.append(now)
+        for tid, waiting in w.regs.items():
+            if tid in self.prompts_alive:
+                continue
+            due.append(waiting.since + (ttl if waiting.seen else min(grace, ttl)))
+        due += [dl for t, dl in w.released.items() if t not in self.prompts_alive]
+        due += [v[1] for v in w.failed.values()]
+        due += list(w.aborted.values())
+        if not due:
+            return None
+        return max(min(due), now) + _DEADLINE_SLACK_S
+
     def _writer_expire_regs(self, w: _WriterState, now: float) -> None:
         """Registrations nobody will write for: their prompt never came (unknown transfer,
         after `unknown_transfer_grace_s`) or came and never finished (`registration_ttl_s`).
@@ -785,7 +854,12 @@ class PushConnector(KVConnector):
     def close(self) -> None:
         self._stop.set()
         self._lanes.close()
-        self._inbox.put(_WriteDone())  # wake the writer now rather than at its next sweep
+        # Wake the threads that block without a timeout when idle (writer, watcher, D's
+        # notification poller), so they see `_stop` at once.
+        self._inbox.put(_WriteDone())
+        self._posted.put(None)
+        with self._expecting:
+            self._expecting.notify_all()
         for t in self._threads:
             t.join(2.0)
         super().close()
