@@ -40,7 +40,9 @@ Who owns a block, at every moment (pdserve.transfer.adapter has the contract):
      `lease_s`, restarted when a reader claims it; push until the WRITE completes,
      fails, or `lease_s` without a registration; both: or the router's release, which
      frees only a hold no reader claimed and no write was posted for, at once or, for a
-     prompt still computing, as soon as it finishes) -> free.
+     prompt still computing, as soon as it finishes) -> free. Push, a prompt that fails
+     after a layer hook was made for it: request id -> `Hold(tid)` (no lease) until no
+     layer write posted from its blocks is pending -> free.
   D: request id (WAITING_FOR_REMOTE_KV, guarded by `recv_timeout_s`) -> running
      request, or -> `Quarantine(tid)` (until the peer acknowledges that no
      transfer is in flight, the peer is dropped, or `quarantine_s` passes) -> free.
@@ -539,6 +541,19 @@ class KVConnector:
         with self.holds_lock:
             self.holds[tid] = h
         return h
+
+    def hold_failed(self, req: RemoteRequest) -> bool:
+        """P: take the blocks of a prompt that failed while transfers may still read them
+        (`Hold`, no lease: the mode frees it once none does). False, and no hold, when the
+        engine gives none (vLLM lends them only when it delayed their free)."""
+        tid = req.transfer_id
+        blocks = self.engine.take_blocks(req.request_id, Hold(tid))
+        if not blocks:
+            return False
+        h = _Hold(tid, blocks, req.num_tokens, None, time.time(), float("inf"))
+        with self.holds_lock:
+            self.holds[tid] = h
+        return True
 
     def release_hold(self, tid: str, reason: str, only_before: float | None = None) -> bool:
         """Free the hold of `tid` (engine thread); with `only_before`, only if its deadline

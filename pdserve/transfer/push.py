@@ -40,6 +40,11 @@ P (writer thread), the router's release (`release_transfer`, queued to the write
   or streaming is left alone (it completes, or D aborts it); a registration with nothing
   posted is dropped and D told (PushFailed), so D fails at once instead of at its
   watchdog. A registration that comes after the release gets the same PushFailed.
+P (engine thread), a prompt that fails after a layer hook was made for it (the engine
+  aborted it; vLLM lends its blocks then, see pdserve.vllm.transfers): layer writes posted
+  from its blocks may still be reading them, so `prefill_failed` takes them (`Hold`, no
+  lease) and the writer frees them once no layer write of it is pending (at once when none
+  was posted); D gets PushFailed as for any failed prompt.
 P (completion watcher thread): blocks on each posted write until the transport finishes it
   and then wakes the writer, so the writer sleeps on its inbox instead of polling every
   millisecond while writes are in flight (that poll took P's core and GIL from prefill).
@@ -118,6 +123,7 @@ class _Finished:
 class _PrefillFailed:
     transfer_id: str
     reason: str
+    held: bool = False  # its blocks are under `Hold` until no layer write reads them
 
 
 @dataclass
@@ -163,6 +169,7 @@ class _Stream:
     why: Why = Why.WRITE_FAILED  # the cause of `error`
     fin: _Finished | None = None
     aborted: bool = False
+    held: bool = False  # its prompt failed and its blocks are held until this stream ends
 
     def fail(self, error: str, why: Why) -> None:
         """Record the first failure (D is told once the layer writes in flight are done)."""
@@ -210,6 +217,9 @@ class PushConnector(KVConnector):
         self._lanes: Lanes[_Register] = Lanes(
             self._register, "pdserve-push-reg", MAX_LANES, LANE_IDLE_S
         )
+        # P (engine thread): prompts a layer hook was made for, until they end: their layer
+        # writes may be in flight, so a failed one's blocks are held (`_prefill_failed`).
+        self._layered: set[str] = set()
         # P: transfer ids whose registration arrived and the writer has not taken yet (what
         # tests wait on to know that D's registration reached P).
         self._registered: set[str] = set()
@@ -382,6 +392,7 @@ class PushConnector(KVConnector):
             self._inbox.put(_WriteDone())
 
     def _prefill_done(self, req: RemoteRequest, first_token: int | None) -> KVTransferParams:
+        self._layered.discard(req.transfer_id)
         h = self.hold(req, first_token, time.time(), lease=False)
         hop(h.transfer_id, "p.prefill_done", h.done_time)
         fin = _Finished(
@@ -407,7 +418,16 @@ class PushConnector(KVConnector):
         )
 
     def _prefill_failed(self, req: RemoteRequest, reason: str) -> None:
-        self._inbox.put(_PrefillFailed(req.transfer_id, reason))
+        """Tell the writer (D is told at once). A prompt whose layers may have been handed
+        to the writer (`layer_hook`) may have writes in flight that read its blocks: the
+        core takes them (`Hold`, no lease) and the writer frees them once no posted layer
+        write is pending (at once if none was posted)."""
+        tid = req.transfer_id
+        held = False
+        if tid in self._layered:
+            self._layered.discard(tid)
+            held = self.hold_failed(req)
+        self._inbox.put(_PrefillFailed(tid, reason, held))
 
     def release_transfer(self, tid: str) -> None:
         """P: hand the router's release to the writer (module doc); D has no writer."""
@@ -425,6 +445,7 @@ class PushConnector(KVConnector):
         if not self.cfg.push_layerwise or self.cfg.faults.finish_delay_s or not reqs:
             return None
         jobs = [(r.transfer_id, list(r.block_ids), r.num_tokens) for r in reqs]
+        self._layered.update(tid for tid, _, _ in jobs)
 
         def on_layer_done(layer: int) -> None:
             for tid, blocks, n in jobs:
@@ -479,9 +500,12 @@ class PushConnector(KVConnector):
             stream = w.streams.get(item.transfer_id)
             if stream is not None:  # D is told once the layer writes in flight are done
                 stream.fail(item.reason, Why.PREFILL_FAILED)
+                stream.held = item.held  # and the blocks freed then (`_end_stream`)
             else:
                 ttl = now + self.cfg.registration_ttl_s
                 w.failed[item.transfer_id] = (item.reason, ttl)
+                if item.held:  # no layer write of it is pending: nothing reads its blocks
+                    self.report(ReleaseHold(item.transfer_id, "prefill failed"))
         elif isinstance(item, m.PushAbort):
             self._writer_abort(w, item)
         elif isinstance(item, _LayerReady):
@@ -679,7 +703,7 @@ class PushConnector(KVConnector):
         finally:
             # After PushDone, which D waits for: the report wakes P's engine thread, which
             # would take the GIL from this thread before the notification is out.
-            if st.fin is not None:
+            if st.fin is not None or st.held:
                 self.report(ReleaseHold(tid, "layer-wise write finished"))
 
     def _notify_done(self, st: _Stream) -> None:
