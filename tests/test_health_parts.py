@@ -59,6 +59,7 @@ def test_a_dead_side_channel_thread_makes_health_503(decode: tuple) -> None:
     client, llm = decode
     side = llm.connector.side
     side._stop.set()  # its receiver ends as on close, but nobody closed the channel
+    side._wake()  # (idle, it blocks until woken)
     side._thread.join(5)
     side._stop.clear()
     assert "side channel receiver" in health_within(client, 503)["error"]["message"]

@@ -68,6 +68,18 @@ def test_aborted_prefill_frees_at_once_and_tells_the_worker() -> None:
     assert s.take() == StepSpecs(aborted=[spec])
 
 
+def test_aborted_push_prefill_streamed_layer_by_layer_keeps_its_blocks() -> None:
+    """Its layer writes may still read the blocks: vLLM must not free them at once."""
+    s = side()
+    req = {"do_remote_decode": True, "transfer_id": "t1"}
+    s.num_matched("p1", req, 8, 0)
+    s.scheduled([Scheduled("p1", [5, 6], num_computed=0, num_scheduled=8, resumed=True)])
+    assert s.take().layerwise  # the completing step: the worker writes each layer
+    assert s.request_finished("p1", req, [5, 6], 8, False) == (True, None)
+    spec = PrefillSpec(request_id="p1", transfer_id="t1", mode="push", block_ids=[5, 6])
+    assert s.take() == StepSpecs(aborted=[spec])  # lent until finished_sending
+
+
 def test_the_step_that_completes_a_push_prompt_is_streamed_layer_by_layer() -> None:
     s = side()
     s.num_matched("p1", {"do_remote_decode": True, "transfer_id": "t1"}, 40, 0)

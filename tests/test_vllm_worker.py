@@ -177,6 +177,70 @@ def test_layerwise_push_writes_each_layer_as_vllm_saves_it(pair) -> None:
     assert core.writer_stats.layerwise == 1  # one stream, not one whole-request write
 
 
+def _stall_writes(core) -> threading.Event:
+    """Keep every write `core` posts pending until the returned event is set (the writer
+    polls it as pending; the completion watcher waits for the event before the transport)."""
+    gate = threading.Event()
+    kvt = core.transport
+    poll, wait = kvt.poll, kvt.transport.wait
+
+    def gated_poll(handle):
+        return poll(handle) if gate.is_set() else (False, None)
+
+    def gated_wait(handle, timeout_s=None):
+        gate.wait()
+        return wait(handle, timeout_s)
+
+    kvt.poll = gated_poll
+    kvt.transport.wait = gated_wait
+    return gate
+
+
+def test_aborted_layerwise_prefill_keeps_its_blocks_until_its_writes_end(pair) -> None:
+    """vLLM aborted P's request after its layers were posted: the blocks those writes read
+    go back to vLLM (finished_sending) only once no write is pending, and D fails."""
+    p, d = pair
+    core = p.side._cores["push"]
+    d.step(recvs=[recv(p, "push", [5, 6], [3, 4], remote_incarnation="", remote_request_id="t1")])
+    deadline = time.monotonic() + 10
+    while "t1" not in core._registered:  # D's registration is here: layers are posted
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    gate = _stall_writes(core)
+    p.step(admitted=[PrefillSpec(request_id="p-req", transfer_id="t1", mode="push")])
+    layer = LayerSpec(request_id="p-req", transfer_id="t1", block_ids=[3, 4], num_tokens=8)
+    specs = StepSpecs(layerwise=[layer])
+    for name in sorted(p.kv):
+        p.side.save_layer(name, specs)
+    p.side.step(specs)
+    p.side.end_step()
+    aborted = PrefillSpec(request_id="p-req", transfer_id="t1", mode="push", block_ids=[3, 4])
+    p.step(finished={"p-req"}, aborted=[aborted])  # vLLM delayed freeing them
+    time.sleep(0.5)
+    p.collect()
+    assert "p-req" not in p.got.finished_sending  # the layer writes still read them
+    assert "t1" in core.holds
+    gate.set()
+    p.wait("finished_sending", "p-req", timeout_s=5)
+    assert not core.holds
+    assert d.wait("finished_recving", "d-req", timeout_s=5).failed_recving == {"d-req"}
+
+
+def test_aborted_layerwise_prefill_with_nothing_posted_gives_blocks_back_at_once(pair) -> None:
+    p, _ = pair  # no registration came: the layers waited on P, none was written
+    p.step(admitted=[PrefillSpec(request_id="p-req", transfer_id="t1", mode="push")])
+    layer = LayerSpec(request_id="p-req", transfer_id="t1", block_ids=[3, 4], num_tokens=8)
+    specs = StepSpecs(layerwise=[layer])
+    for name in sorted(p.kv):
+        p.side.save_layer(name, specs)
+    p.side.step(specs)
+    p.side.end_step()
+    aborted = PrefillSpec(request_id="p-req", transfer_id="t1", mode="push", block_ids=[3, 4])
+    p.step(finished={"p-req"}, aborted=[aborted])
+    p.wait("finished_sending", "p-req", timeout_s=2)
+    assert not p.side._cores["push"].holds
+
+
 def test_release_frees_prefill_blocks_d_will_not_load(pair) -> None:
     p, d = pair
     for mode in ("push", "pull"):

@@ -18,7 +18,11 @@ Engine -> core (`TransferCore`, engine thread unless said otherwise):
                                `Hold`) and returns the params for the router. `tok` is None
                                for an engine whose D computes the prompt's last token again
                                itself (vLLM): D's `KVReady.first_token_id` is then None.
-  P  `prefill_failed(req, why)` the prompt will never be computed (abort, error).
+  P  `prefill_failed(req, why)` the prompt will never be computed (abort, error). If a
+                               layer hook was made for it, layer writes may still read its
+                               blocks: the core takes those the engine still gives
+                               (`take_blocks`, owner `Hold`) and frees them once none is
+                               pending (vLLM lends them only when it delayed their free).
   D  `start_receive(req)`      the request was admitted with blocks for its whole prompt,
                                still owned by the request: the core fills them (past its
                                `num_cached_blocks`).
@@ -45,7 +49,8 @@ Core -> transports (`KVRegions`): the engine's KV tensors as transport regions a
 
 Who owns a block, at every moment (the engine's books record it, typed):
   P: the request (its id; prefilling) -> `Hold(tid)` (taken in `prefill_done`; freed by
-     the core when the transfer ends, its lease passes or the router releases it).
+     the core when the transfer ends, its lease passes or the router releases it; or taken
+     in `prefill_failed` after a layer hook, freed once no layer write is pending).
   D: the request (its id; admitted, waiting for KV) -> still the request once `KVReady`
      (it decodes), or -> `Quarantine(tid)` (taken in `cancel_receive`, or when a peer is
      declared down while a pull may still be claiming) -> free (`free_blocks`, once no

@@ -40,7 +40,9 @@ Who owns a block, at every moment (pdserve.transfer.adapter has the contract):
      `lease_s`, restarted when a reader claims it; push until the WRITE completes,
      fails, or `lease_s` without a registration; both: or the router's release, which
      frees only a hold no reader claimed and no write was posted for, at once or, for a
-     prompt still computing, as soon as it finishes) -> free.
+     prompt still computing, as soon as it finishes) -> free. Push, a prompt that fails
+     after a layer hook was made for it: request id -> `Hold(tid)` (no lease) until no
+     layer write posted from its blocks is pending -> free.
   D: request id (WAITING_FOR_REMOTE_KV, guarded by `recv_timeout_s`) -> running
      request, or -> `Quarantine(tid)` (until the peer acknowledges that no
      transfer is in flight, the peer is dropped, or `quarantine_s` passes) -> free.
@@ -135,6 +137,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 # How long one blocking wait on a transfer lasts before it checks again (tcp wakes earlier).
+# Only while a transfer is in flight (`run_transfer`): no thread waits on it when idle.
 _TRANSFER_WAKE_S = 0.05
 _MAX_MET = 1024  # addresses remembered as having answered a handshake once
 
@@ -235,6 +238,9 @@ class KVConnector:
         self._met: dict[Address, None] = {}
         self._warn = {c: Throttled(log) for c in TransferCause}  # one line per cause per 10 s
         self._closing = threading.Event()
+        # Set while the heartbeat has peers to ping (`poll` sets it; the heartbeat clears it
+        # and sleeps on it when there are none, so an idle instance's heartbeat never wakes).
+        self._watching = threading.Event()
         self.side = SideChannel(
             self._on_message,
             cfg.side_host,
@@ -360,6 +366,8 @@ class KVConnector:
             {r.req.remote_address for r in self.receiving.values()}
             | {q.peer for q in self.quarantine.values()}
         ) - {None}
+        if self._watched and not self._watching.is_set():
+            self._watching.set()
         return out
 
     def _apply(self, item: object) -> list[Event]:
@@ -477,7 +485,14 @@ class KVConnector:
     def _heartbeat_loop(self) -> None:
         last_seen: dict[Address, float] = {}
         last_beat = time.monotonic()
-        while not self._closing.wait(self.cfg.heartbeat_s):
+        while not self._closing.is_set():
+            if not self._watched and not last_seen:  # nobody to ping: sleep until `poll`
+                self._watching.clear()
+                if not self._watched:  # checked after the clear: `poll` sets it after
+                    self._watching.wait()
+                last_beat = time.monotonic()  # that sleep was not a stall
+            if self._closing.wait(self.cfg.heartbeat_s):
+                break
             now = time.monotonic()
             # Time this thread itself did not run (a starved process on a loaded host) is
             # not the peers' silence: their pongs may sit unread. Credit it to every peer.
@@ -526,6 +541,19 @@ class KVConnector:
         with self.holds_lock:
             self.holds[tid] = h
         return h
+
+    def hold_failed(self, req: RemoteRequest) -> bool:
+        """P: take the blocks of a prompt that failed while transfers may still read them
+        (`Hold`, no lease: the mode frees it once none does). False, and no hold, when the
+        engine gives none (vLLM lends them only when it delayed their free)."""
+        tid = req.transfer_id
+        blocks = self.engine.take_blocks(req.request_id, Hold(tid))
+        if not blocks:
+            return False
+        h = _Hold(tid, blocks, req.num_tokens, None, time.time(), float("inf"))
+        with self.holds_lock:
+            self.holds[tid] = h
+        return True
 
     def release_hold(self, tid: str, reason: str, only_before: float | None = None) -> bool:
         """Free the hold of `tid` (engine thread); with `only_before`, only if its deadline
@@ -822,6 +850,7 @@ class KVConnector:
 
     def close(self) -> None:
         self._closing.set()
+        self._watching.set()  # wake an idle heartbeat
         self._heartbeat.join(2.0)
         self.side.close()
         self.transport.close()

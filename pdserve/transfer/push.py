@@ -40,11 +40,20 @@ P (writer thread), the router's release (`release_transfer`, queued to the write
   or streaming is left alone (it completes, or D aborts it); a registration with nothing
   posted is dropped and D told (PushFailed), so D fails at once instead of at its
   watchdog. A registration that comes after the release gets the same PushFailed.
+P (engine thread), a prompt that fails after a layer hook was made for it (the engine
+  aborted it; vLLM lends its blocks then, see pdserve.vllm.transfers): layer writes posted
+  from its blocks may still be reading them, so `prefill_failed` takes them (`Hold`, no
+  lease) and the writer frees them once no layer write of it is pending (at once when none
+  was posted); D gets PushFailed as for any failed prompt.
 P (completion watcher thread): blocks on each posted write until the transport finishes it
   and then wakes the writer, so the writer sleeps on its inbox instead of polling every
   millisecond while writes are in flight (that poll took P's core and GIL from prefill).
   The tcp transport's wait is a condition variable; nixl needs polling to make progress, so
   there the watcher polls (every `_NIXL_POLL_S`), on its own thread.
+Idle, no thread of this module wakes: the writer waits on its inbox until its next deadline
+  (`_writer_next_deadline`; none: until an item comes), the watcher until a write is posted,
+  D's notification poller until a registration is queued or out (only then can a
+  notification matter, and only then must nixl be polled); `close` wakes each of them.
 """
 
 from __future__ import annotations
@@ -82,7 +91,14 @@ from pdserve.transfer.transport import TransferState
 
 log = logging.getLogger(__name__)
 
-_IDLE_WAKE_S = 0.05  # the writer's sweep period for deadlines when nothing else wakes it
+# How long one wait on a posted write lasts before the watcher checks `_stop` again (tcp
+# wakes at once when the write finishes; only while a write is pending, never idle).
+_WRITE_WAKE_S = 0.05
+# D's notification poller, while registrations are out: how long one wait lasts (tcp wakes
+# at once on a notification; nixl must be polled to make progress, so it polls meanwhile).
+_NOTIF_WAKE_S = 0.05
+_DEADLINE_SLACK_S = 0.001  # past a deadline, so its strict comparison holds when swept
+_RETRY_S = 0.05  # after a writer step that failed (a bug): sweep again this soon
 _NIXL_POLL_S = 0.001
 MAX_LANES = 64  # prefill instances D registers with at once; more fail at once
 LANE_IDLE_S = 30.0  # a registration lane's thread ends after this long without a job
@@ -107,6 +123,7 @@ class _Finished:
 class _PrefillFailed:
     transfer_id: str
     reason: str
+    held: bool = False  # its blocks are under `Hold` until no layer write reads them
 
 
 @dataclass
@@ -152,6 +169,7 @@ class _Stream:
     why: Why = Why.WRITE_FAILED  # the cause of `error`
     fin: _Finished | None = None
     aborted: bool = False
+    held: bool = False  # its prompt failed and its blocks are held until this stream ends
 
     def fail(self, error: str, why: Why) -> None:
         """Record the first failure (D is told once the layer writes in flight are done)."""
@@ -194,15 +212,21 @@ class PushConnector(KVConnector):
         self._unsent: dict[str, Address] = {}
         self._p_of: dict[str, Address] = {}
         self._reg_lock = threading.Lock()
+        # D's notification poller waits on this while no registration is queued or out.
+        self._expecting = threading.Condition(self._reg_lock)
         self._lanes: Lanes[_Register] = Lanes(
             self._register, "pdserve-push-reg", MAX_LANES, LANE_IDLE_S
         )
+        # P (engine thread): prompts a layer hook was made for, until they end: their layer
+        # writes may be in flight, so a failed one's blocks are held (`_prefill_failed`).
+        self._layered: set[str] = set()
         # P: transfer ids whose registration arrived and the writer has not taken yet (what
         # tests wait on to know that D's registration reached P).
         self._registered: set[str] = set()
         self.writer_stats = WriterStats()
-        # Only the role's threads: each wakes every 50 ms, and an idle push D ran P's two
-        # for nothing (3.0% of a core for an idle cluster, against pull's 1.6%).
+        # Only the role's threads. Idle, none of them wakes: the writer sleeps until its next
+        # deadline (none: until an item comes), the watcher until a write is posted, D's
+        # notification poller until a registration is queued; `close` wakes them all.
         loops = []
         if self.cfg.role != "decode":  # P writes and watches its writes
             loops += [(self._writer_loop, "writer"), (self._watch_loop, "watch")]
@@ -232,8 +256,9 @@ class PushConnector(KVConnector):
         )
         peer = (p.remote_engine_id, (p.remote_host, p.remote_port), p.remote_incarnation)
         job = _Register(tid, peer, reg)
-        with self._reg_lock:
+        with self._expecting:  # `_reg_lock`: wakes the notification poller
             self._unsent[tid] = job.address
+            self._expecting.notify_all()
         if not self._lanes.submit(job.address, job):
             with self._reg_lock:
                 self._unsent.pop(tid, None)
@@ -274,8 +299,19 @@ class PushConnector(KVConnector):
             log.exception("push registration %s: could not send it", shown(tid))
 
     def _notif_loop(self) -> None:
+        """D: report P's PushDone notifications. Only while a registration is queued or out
+        (`_unsent`, `_p_of`) can one matter, and only then does nixl need polling for the
+        data to land; otherwise this blocks until `start_receive` or `close` wakes it (a
+        notification for a request already ended waits in the transport meanwhile, and is
+        stale when taken: its request no longer waits)."""
         while not self._stop.is_set():
-            for raw in self.transport.wait_notifs(0.05):
+            with self._expecting:
+                self._expecting.wait_for(
+                    lambda: self._stop.is_set() or bool(self._unsent or self._p_of)
+                )
+            if self._stop.is_set():
+                break
+            for raw in self.transport.wait_notifs(_NOTIF_WAKE_S):
                 try:
                     msg = m.decode(raw)
                 except (msgspec.DecodeError, msgspec.ValidationError):
@@ -347,7 +383,16 @@ class PushConnector(KVConnector):
             self._inbox.put(msg)
 
     # == P side: engine thread ============================================================
+    def prefill_admitted(self, req: RemoteRequest) -> None:
+        """P: also wake the writer if D's registration for it waits already: the writer
+        sweeps only at deadlines, and must see the prompt alive before the registration's
+        `unknown_transfer_grace_s` ends (`_writer_next_deadline`)."""
+        super().prefill_admitted(req)
+        if req.transfer_id in self._registered:
+            self._inbox.put(_WriteDone())
+
     def _prefill_done(self, req: RemoteRequest, first_token: int | None) -> KVTransferParams:
+        self._layered.discard(req.transfer_id)
         h = self.hold(req, first_token, time.time(), lease=False)
         hop(h.transfer_id, "p.prefill_done", h.done_time)
         fin = _Finished(
@@ -373,7 +418,16 @@ class PushConnector(KVConnector):
         )
 
     def _prefill_failed(self, req: RemoteRequest, reason: str) -> None:
-        self._inbox.put(_PrefillFailed(req.transfer_id, reason))
+        """Tell the writer (D is told at once). A prompt whose layers may have been handed
+        to the writer (`layer_hook`) may have writes in flight that read its blocks: the
+        core takes them (`Hold`, no lease) and the writer frees them once no posted layer
+        write is pending (at once if none was posted)."""
+        tid = req.transfer_id
+        held = False
+        if tid in self._layered:
+            self._layered.discard(tid)
+            held = self.hold_failed(req)
+        self._inbox.put(_PrefillFailed(tid, reason, held))
 
     def release_transfer(self, tid: str) -> None:
         """P: hand the router's release to the writer (module doc); D has no writer."""
@@ -391,6 +445,7 @@ class PushConnector(KVConnector):
         if not self.cfg.push_layerwise or self.cfg.faults.finish_delay_s or not reqs:
             return None
         jobs = [(r.transfer_id, list(r.block_ids), r.num_tokens) for r in reqs]
+        self._layered.update(tid for tid, _, _ in jobs)
 
         def on_layer_done(layer: int) -> None:
             for tid, blocks, n in jobs:
@@ -401,9 +456,13 @@ class PushConnector(KVConnector):
     # == P side: writer thread ============================================================
     def _writer_loop(self) -> None:
         w = _WriterState()
+        wake_at: float | None = None  # the next deadline the writer sweeps; None: none
         while not self._stop.is_set():
+            # Blocks until an item comes (the watcher's `_WriteDone`, a message, `close`'s
+            # sentinel) or the next deadline passes; with no deadline, until an item comes.
+            timeout = None if wake_at is None else max(0.0, wake_at - time.monotonic())
             try:
-                item = self._inbox.get(timeout=_IDLE_WAKE_S)
+                item = self._inbox.get(timeout=timeout)
             except queue.Empty:
                 item = None
             try:
@@ -411,9 +470,12 @@ class PushConnector(KVConnector):
                     self._writer_take(w, item)
                 self._writer_pair(w)
                 self._writer_poll(w)
-                self._writer_expire(w, time.monotonic())
+                now = time.monotonic()
+                self._writer_expire(w, now)
+                wake_at = self._writer_next_deadline(w, now)
             except Exception:
                 log.exception("push writer step failed")
+                wake_at = time.monotonic() + _RETRY_S
             self.writer_stats.queue_depth = (
                 len(w.regs) + len(w.finished) + len(w.inflight) + len(w.streams)
             )
@@ -438,9 +500,12 @@ class PushConnector(KVConnector):
             stream = w.streams.get(item.transfer_id)
             if stream is not None:  # D is told once the layer writes in flight are done
                 stream.fail(item.reason, Why.PREFILL_FAILED)
+                stream.held = item.held  # and the blocks freed then (`_end_stream`)
             else:
                 ttl = now + self.cfg.registration_ttl_s
                 w.failed[item.transfer_id] = (item.reason, ttl)
+                if item.held:  # no layer write of it is pending: nothing reads its blocks
+                    self.report(ReleaseHold(item.transfer_id, "prefill failed"))
         elif isinstance(item, m.PushAbort):
             self._writer_abort(w, item)
         elif isinstance(item, _LayerReady):
@@ -589,14 +654,13 @@ class PushConnector(KVConnector):
         raw = self.transport.transport
         blocking = self.transport.kind != "nixl"
         while not self._stop.is_set():
-            try:
-                handle = self._posted.get(timeout=_IDLE_WAKE_S)
-            except queue.Empty:
-                continue
+            handle = self._posted.get()  # blocks: idle, nothing wakes it but a post or close
+            if handle is None:  # `close`'s sentinel
+                break
             while not self._stop.is_set():
                 try:
                     if blocking:
-                        pending = raw.wait(handle, _IDLE_WAKE_S) is TransferState.PENDING
+                        pending = raw.wait(handle, _WRITE_WAKE_S) is TransferState.PENDING
                     else:
                         pending = raw.state(handle) is TransferState.PENDING
                 except Exception:  # released by the writer already: it saw it finish
@@ -639,7 +703,7 @@ class PushConnector(KVConnector):
         finally:
             # After PushDone, which D waits for: the report wakes P's engine thread, which
             # would take the GIL from this thread before the notification is out.
-            if st.fin is not None:
+            if st.fin is not None or st.held:
                 self.report(ReleaseHold(tid, "layer-wise write finished"))
 
     def _notify_done(self, st: _Stream) -> None:
@@ -719,6 +783,35 @@ class PushConnector(KVConnector):
             for tid in [t for t, v in d.items() if (v[1] if isinstance(v, tuple) else v) < now]:
                 del d[tid]
 
+    def _writer_next_deadline(self, w: _WriterState, now: float) -> float | None:
+        """When `_writer_expire` next has something to do, or None (nothing until an item
+        comes). Each deadline below is the one `_writer_expire` checks, plus a slack so its
+        strict comparison holds when the writer wakes.
+
+        A registration whose prompt is alive here has no deadline: the prompt's end queues
+        a `_Finished`/`_PrefillFailed` to the writer, and a prompt admitted after its
+        registration wakes the writer (`prefill_admitted`) so the sweep sees it alive.
+        """
+        grace, ttl = self.cfg.unknown_transfer_grace_s, self.cfg.registration_ttl_s
+        due: list[float] = [f.ready_at + self.cfg.lease_s for f in w.finished.values()]
+        if w.inflight or any(st.handles for st in w.streams.values()):
+            # Writes in flight: the watcher wakes the writer when each finishes; this poll
+            # (only while some write is pending, never idle) covers a wake it could not
+            # give, e.g. a handle the raw transport does not know (a wrapped transport).
+            due.append(now + _WRITE_WAKE_S)
+        if any(t in w.aborted for t in w.finished):
+            due.append(now)
+        for tid, waiting in w.regs.items():
+            if tid in self.prompts_alive:
+                continue
+            due.append(waiting.since + (ttl if waiting.seen else min(grace, ttl)))
+        due += [dl for t, dl in w.released.items() if t not in self.prompts_alive]
+        due += [v[1] for v in w.failed.values()]
+        due += list(w.aborted.values())
+        if not due:
+            return None
+        return max(min(due), now) + _DEADLINE_SLACK_S
+
     def _writer_expire_regs(self, w: _WriterState, now: float) -> None:
         """Registrations nobody will write for: their prompt never came (unknown transfer,
         after `unknown_transfer_grace_s`) or came and never finished (`registration_ttl_s`).
@@ -785,7 +878,12 @@ class PushConnector(KVConnector):
     def close(self) -> None:
         self._stop.set()
         self._lanes.close()
-        self._inbox.put(_WriteDone())  # wake the writer now rather than at its next sweep
+        # Wake the threads that block without a timeout when idle (writer, watcher, D's
+        # notification poller), so they see `_stop` at once.
+        self._inbox.put(_WriteDone())
+        self._posted.put(None)
+        with self._expecting:
+            self._expecting.notify_all()
         for t in self._threads:
             t.join(2.0)
         super().close()

@@ -139,6 +139,15 @@ class SideChannel:
         self.num_closed = 0  # PUSH sockets closed (forgotten, idle or evicted), for tests
         self._waiters: dict[str, Future[m.Reply]] = {}
         self._stop = threading.Event()
+        # Wakes the receiver, which blocks without a timeout while no PUSH socket is open
+        # (nothing to sweep): `close`, and a send that opens one. Used under `_wake_lock`.
+        wake_at = f"inproc://pdserve-side-wake-{id(self):x}"
+        self._wake_rx = self._ctx.socket(zmq.PULL)
+        self._wake_rx.bind(wake_at)
+        self._wake_tx = self._ctx.socket(zmq.PUSH)
+        self._wake_tx.setsockopt(zmq.LINGER, 0)
+        self._wake_tx.connect(wake_at)
+        self._wake_lock = threading.Lock()
         self.num_rejected = 0
         self._drops = Throttled(log)  # 20,000 bad frames must not write 20,000 lines
         self._send_drops = Throttled(log)
@@ -209,11 +218,21 @@ class SideChannel:
                 if len(self._peers) >= self._max_sockets:
                     evicted = self._peers.pop(next(iter(self._peers)))
                 out = _Out(self._connect(to))
+                opened = True
+            else:
+                opened = False
             out.last_used = time.monotonic()
             self._peers[to] = out  # to the end: most recently used
         if evicted is not None:
             self._close(evicted)
+        if opened:  # the receiver must sweep it once idle; it may be sleeping for good
+            self._wake()
         return out
+
+    def _wake(self) -> None:
+        """Wake the receiver thread (any thread)."""
+        with self._wake_lock, contextlib.suppress(zmq.ZMQError):  # one pending wake is enough
+            self._wake_tx.send(b"", flags=zmq.NOBLOCK)
 
     def _connect(self, to: Address) -> zmq.Socket:
         sock = self._ctx.socket(zmq.PUSH)
@@ -255,16 +274,24 @@ class SideChannel:
 
     # -- receiving -------------------------------------------------------------------------
     def _recv_loop(self) -> None:
+        """Receive and dispatch; sweep idle PUSH sockets every `_SWEEP_S` while any is
+        open. With none open it blocks until a message, a wake (`_wake`) or nothing."""
         poller = zmq.Poller()
         poller.register(self._pull, zmq.POLLIN)
+        poller.register(self._wake_rx, zmq.POLLIN)
         next_sweep = time.monotonic() + _SWEEP_S
         while not self._stop.is_set():
-            ready = poller.poll(100)
+            timeout = max(0.0, next_sweep - time.monotonic()) * 1000 if self._peers else None
+            ready = dict(poller.poll(timeout))
             now = time.monotonic()
             if now >= next_sweep:
                 next_sweep = now + _SWEEP_S
                 self._sweep_idle(now)
-            if not ready:
+            if self._wake_rx in ready:
+                with contextlib.suppress(zmq.ZMQError):
+                    while True:
+                        self._wake_rx.recv(flags=zmq.NOBLOCK)
+            if self._pull not in ready:
                 continue
             try:
                 parts = self._pull.recv_multipart(flags=zmq.NOBLOCK)
@@ -310,12 +337,16 @@ class SideChannel:
 
     def close(self) -> None:
         self._stop.set()
+        self._wake()
         self._thread.join(2.0)
         with self._peers_lock:
             outs = list(self._peers.values())
             self._peers.clear()
         for out in outs:
             self._close(out)
+        with self._wake_lock:
+            self._wake_tx.close(0)
+        self._wake_rx.close(0)
         self._pull.close(0)
         self._ctx.term()
 

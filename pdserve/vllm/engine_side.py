@@ -11,6 +11,10 @@ Who owns a block, at every moment (vLLM's request status in brackets):
      delayed freeing them, `lend` from the `SendSpec`) -> `Hold(tid)` (`take_blocks`, in
      the core's `prefill_done`) -> back to vLLM: `free_blocks` puts the request id in
      finished_sending, and vLLM frees them at its next step.
+     Aborted after its completing step was streamed (push, layer-wise): lent (vLLM delayed
+     freeing them, `lend` from the aborted `PrefillSpec`'s `block_ids`) -> `Hold(tid)`
+     (`take_blocks`, in the core's `prefill_failed`) until no layer write posted from them
+     is pending -> finished_sending; any the core did not take go back at once (`sent`).
   D: lent (WAITING_FOR_REMOTE_KVS, `lend` from the `RecvSpec`) ->
      - `KVReady`: the request again (finished_recving; vLLM runs it);
      - `KVFailed` with nothing fenced: back to vLLM (finished_recving + failed_recving;

@@ -16,8 +16,10 @@ it (`PrefillSpec` in `admitted`); the step that completes its prompt names its b
 (`LayerSpec`, push: the worker writes each layer as vLLM saves it); when it finishes
 normally it keeps its blocks (delay_free=True), returns the params D needs (unused when
 D's leg went out with P's, naming the router's `transfer_id`) and a `SendSpec` lends the
-blocks to the worker until finished_sending. One that ends otherwise is freed by vLLM at
-once and announced in `aborted` (push: D is told at once).
+blocks to the worker until finished_sending. One that ends otherwise is announced in
+`aborted` (push: D is told at once) and freed by vLLM at once, unless its completing step
+was named in `layerwise`: layer writes may still read its blocks, so vLLM keeps them and
+the aborted spec lends them to the worker until finished_sending.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
+
+import msgspec
 
 from pdserve.transfer.params import sign
 from pdserve.vllm.config import VllmConnectorConfig
@@ -59,7 +63,8 @@ class _Prefill:
     spec: PrefillSpec
     num_prompt: int
     blocks: list[int] = field(default_factory=list)
-    streamed: bool = False  # its completing step was named in `layerwise`
+    streamed: bool = False  # its completing step was seen
+    layerwise: bool = False  # ... and named in `layerwise`: layer writes may read its blocks
 
 
 @dataclass(frozen=True)
@@ -137,6 +142,7 @@ class SchedulerSide:
                 continue
             p.streamed = True
             if p.spec.mode == "push" and self.cfg.push_layerwise:
+                p.layerwise = True
                 layer = LayerSpec(
                     request_id=s.request_id,
                     transfer_id=p.spec.transfer_id,
@@ -192,7 +198,10 @@ class SchedulerSide:
         finished_ok: bool,
         num_prompt: int | None = None,
     ) -> tuple[bool, dict[str, Any] | None]:
-        """P: keep the blocks for D (True) and return D's params; otherwise vLLM frees.
+        """P: keep the blocks for D (True) and return D's params; otherwise vLLM frees, but
+        for an aborted push prompt whose completing step was streamed layer by layer: its
+        layer writes may still be reading the blocks, so vLLM keeps them (True, no params)
+        and the worker gives them back in finished_sending once none is pending.
 
         D: a request that ends before vLLM allocated its blocks (client gone while queued)
         still has P holding its KV: release it."""
@@ -212,6 +221,10 @@ class SchedulerSide:
                 if prefill
                 else PrefillSpec(request_id=request_id, transfer_id=tid, mode=mode)
             )
+            if prefill and prefill.layerwise and block_ids and self.worker is not None:
+                spec = msgspec.structs.replace(spec, block_ids=list(block_ids))
+                self._out.aborted.append(spec)
+                return True, None  # lent: back in finished_sending (PrefillSpec)
             self._out.aborted.append(spec)
             return False, None
         send = SendSpec(

@@ -46,11 +46,15 @@ class ReleaseSpec(msgspec.Struct, frozen=True, kw_only=True):
 
 class PrefillSpec(msgspec.Struct, frozen=True, kw_only=True):
     """P: a prompt whose KV goes to a decode instance entered vLLM (first scheduled), or
-    will never be computed (aborted). vLLM lends nothing here."""
+    will never be computed (aborted). vLLM lends nothing here, but for an aborted push
+    prompt whose layers the worker may be writing (its completing step was named in a
+    `LayerSpec`): vLLM delayed freeing its blocks and lends `block_ids` until the request
+    is in finished_sending (once no layer write posted for it is pending)."""
 
     request_id: str
     transfer_id: str  # the id D's messages name it by: the router's, else the request id
     mode: Mode
+    block_ids: list[int] = msgspec.field(default_factory=list)  # aborted: lent (above)
 
 
 class SendSpec(msgspec.Struct, frozen=True, kw_only=True):

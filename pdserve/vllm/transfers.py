@@ -53,7 +53,7 @@ class VllmTransfers:
         for pre in specs.admitted:
             self.cores[pre.mode].prefill_admitted(_prefill_view(pre))
         for pre in specs.aborted:
-            self.cores[pre.mode].prefill_failed(_prefill_view(pre), ABORTED)
+            self._abort(pre)
         for send in specs.sends:
             self._send(send)
         for recv in specs.recvs:
@@ -75,6 +75,17 @@ class VllmTransfers:
             self.cores[send.mode].prefill_done(_send_view(send), None)
         finally:
             self.blocks.sent(send.request_id)  # only if the core did not take them
+
+    def _abort(self, pre: PrefillSpec) -> None:
+        """P: the prompt will never finish. Blocks lent with it (vLLM delayed their free:
+        layer writes may read them) the core takes (`Hold`) until no posted write is
+        pending; any it does not take go back to vLLM at once."""
+        if pre.block_ids:
+            self.blocks.lend(pre.request_id, pre.block_ids)
+        try:
+            self.cores[pre.mode].prefill_failed(_prefill_view(pre), ABORTED)
+        finally:
+            self.blocks.sent(pre.request_id)  # only if lent and the core did not take them
 
     def _recv(self, recv: RecvSpec) -> None:
         """D: the core fills the lent blocks (past D's own prefix-cache hits)."""
@@ -139,7 +150,7 @@ def _prefill_params(mode: Mode, tid: str) -> KVTransferParams:
 
 def _prefill_view(pre: PrefillSpec) -> RemoteRequest:
     params = _prefill_params(pre.mode, pre.transfer_id)
-    return RemoteRequest(pre.request_id, params, (), (), 0)
+    return RemoteRequest(pre.request_id, params, (), tuple(pre.block_ids), 0)
 
 
 def _send_view(send: SendSpec) -> RemoteRequest:
