@@ -116,7 +116,9 @@ def test_next_step_waits_until_the_loop_took_the_first_token() -> None:
 
 def test_next_step_waits_until_the_loop_took_a_finished_prefill_leg() -> None:
     fake = PrefillLegEngine()
-    engine = AsyncEngine(fake, flush_s=30.0)
+    # Here the loop may end (asyncio.run returns) before the flush's callback runs on it:
+    # then the engine thread waits out `flush_s`, which the wait below must outlast.
+    engine = AsyncEngine(fake, flush_s=10.0)
     engine.start()
     request = EngineRequest(
         request_id="p", prompt_token_ids=[1, 2, 3], params=SamplingParams(max_tokens=1)
@@ -129,7 +131,7 @@ def test_next_step_waits_until_the_loop_took_a_finished_prefill_leg() -> None:
 
     try:
         asyncio.run(consume())
-        deadline = time.monotonic() + 30.0
+        deadline = time.monotonic() + 40.0
         while fake.consumed_before_step is None and time.monotonic() < deadline:
             time.sleep(0.01)  # the engine thread runs its next step after the answer
     finally:

@@ -31,7 +31,7 @@ from pdserve.engine.commands import Abort, Add, Command, Release, Stop
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.handle import EngineDeadError, EngineInfo
 from pdserve.engine.loop import EngineLoop
-from pdserve.engine.sinks import Sinks
+from pdserve.engine.sinks import Sinks, post
 from pdserve.engine.types import (
     EngineRequest,
     EngineStats,
@@ -198,10 +198,9 @@ class AsyncEngine:
         if not loops or self.flush_s <= 0:
             return
         sent = threading.Semaphore(0)
-        for loop in loops:
-            loop.call_soon_threadsafe(_after_consumers, loop, sent.release)
+        posted = [loop for loop in loops if post(loop, _after_consumers, loop, sent.release)]
         deadline = time.monotonic() + self.flush_s
-        for _ in loops:
+        for _ in posted:
             if not sent.acquire(timeout=max(0.0, deadline - time.monotonic())):
                 return
 

@@ -79,9 +79,7 @@ class Sinks:
                 sink = self._sinks.get(out.request_id)
                 if sink is not None:
                     batches.setdefault(sink.loop, []).append((sink.queue, out))
-        for loop, batch in batches.items():
-            loop.call_soon_threadsafe(_put_all, batch)
-        return set(batches)
+        return {loop for loop, batch in batches.items() if post(loop, _put_all, batch)}
 
     def fail_all(self, message: str, reason: FinishReason) -> None:
         """End every open stream with a finished output carrying `message`."""
@@ -96,10 +94,20 @@ class Sinks:
                 finish_reason=reason,
                 error=message,
             )
-            sink.loop.call_soon_threadsafe(sink.queue.put_nowait, out)
+            post(sink.loop, sink.queue.put_nowait, out)
 
 
 def _put_all(batch: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
     """Runs on the loop: one step's outputs into their requests' queues, in step order."""
     for q, out in batch:
         q.put_nowait(out)
+
+
+def post(loop: asyncio.AbstractEventLoop, fn: Callable[..., object], *args: object) -> bool:
+    """Schedule `fn(*args)` on `loop` from any thread; False if the loop is closed (its
+    consumers are gone with it: a client's `asyncio.run` that ended, a server shut down)."""
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:  # "Event loop is closed"
+        return False
+    return True
