@@ -49,7 +49,9 @@ class Worker:
     """One vLLM worker: its caches, its WorkerSide, and what vLLM got back so far."""
 
     def __init__(self, name: str, kv: dict[str, torch.Tensor], **cfg: object) -> None:
-        conf = VllmConnectorConfig.from_extra({"side_port": free_port(), **cfg})
+        # 0: the side channel binds a free port itself (the card names it). A port picked
+        # beforehand can be taken by another process's connection before the bind.
+        conf = VllmConnectorConfig.from_extra({"side_port": 0, **cfg})
         self.kv = kv
         self.side = WorkerSide(conf, name, "x", "both")
         self.card = self.side.register(kv, BLOCK_SIZE)
