@@ -11,6 +11,8 @@ import argparse
 import json
 import random
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from tqdm import tqdm
@@ -18,49 +20,45 @@ from tqdm import tqdm
 from pdserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.types import EngineRequest, SamplingParams
+from pdserve.options import add_options, from_args, option
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--model",
+@dataclass(frozen=True)
+class EngineBenchConfig:
+    """What `pdserve bench engine` measures and how it prints it (its flags)."""
+
+    model: tuple[str, ...] = option(
+        ("builtin:tiny", "builtin:small"),
         nargs="+",
-        default=["builtin:tiny", "builtin:small"],
         help="models to measure (default: %(default)s)",
     )
-    parser.add_argument(
-        "--batch",
-        type=int,
-        nargs="+",
-        default=[1, 8, 32],
-        help="decode batch sizes (default: %(default)s)",
+    batch: tuple[int, ...] = option(
+        (1, 8, 32), nargs="+", help="decode batch sizes (default: %(default)s)"
     )
-    parser.add_argument(
-        "--prefill-len",
-        type=int,
-        default=1024,
-        help="prompt length for the prefill figure (default: %(default)s)",
+    prefill_len: int = option(
+        1024, help="prompt length for the prefill figure (default: %(default)s)"
     )
-    parser.add_argument(
-        "--decode-ctx",
-        type=int,
-        default=128,
-        help="prompt length of each decoding request (default: %(default)s)",
+    decode_ctx: int = option(
+        128, help="prompt length of each decoding request (default: %(default)s)"
     )
-    parser.add_argument(
-        "--decode-steps", type=int, default=32, help="decode steps timed (default: %(default)s)"
-    )
-    parser.add_argument(
-        "--threads", type=int, default=1, help="torch threads (default: %(default)s)"
-    )
-    parser.add_argument("--dtype", default="float32", help="model dtype (default: %(default)s)")
-    parser.add_argument(
-        "--max-num-batched-tokens",
-        type=int,
-        default=None,
+    decode_steps: int = option(32, help="decode steps timed (default: %(default)s)")
+    threads: int = option(1, help="torch threads (default: %(default)s)")
+    dtype: str = option("float32", help="model dtype (default: %(default)s)")
+    max_num_batched_tokens: int | None = option(
+        None,
         help="step token budget, i.e. the prefill chunk (default: the prefill length, at "
         "least 2048; the server's default is 2048, so a longer prompt is chunked there)",
     )
-    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    json: bool = option(False, help="print JSON instead of a table")
+
+    def budget(self) -> int:
+        """The step token budget: the flag's, else the prefill length (at least 2048)."""
+        return self.max_num_batched_tokens or max(self.prefill_len, 2048)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of `pdserve bench engine` (declared on `EngineBenchConfig`)."""
+    add_options(parser, EngineBenchConfig)
 
 
 def _engine(model: str, dtype: str, budget: int) -> LLMEngine:
@@ -102,34 +100,40 @@ def decode_tps(engine: LLMEngine, batch: int, ctx: int, steps: int, rng: random.
 
 
 def main(args: argparse.Namespace) -> int:
-    torch.set_num_threads(args.threads)
+    """Measure every model, print the table (or JSON)."""
+    return run(from_args(EngineBenchConfig, args))
+
+
+def run(cfg: EngineBenchConfig) -> int:
+    """Measure every model of `cfg`, print the table (or JSON)."""
+    torch.set_num_threads(cfg.threads)
     rng = random.Random(0)
     rows = []
-    for model in args.model:
-        budget = args.max_num_batched_tokens or max(args.prefill_len, 2048)
-        engine = _engine(model, args.dtype, budget)
+    for model in cfg.model:
+        budget = cfg.budget()
+        engine = _engine(model, cfg.dtype, budget)
         prefill_tps(engine, 64, rng)  # warm-up
         row = {
             "model": model,
-            "threads": args.threads,
-            "prefill_len": args.prefill_len,
+            "threads": cfg.threads,
+            "prefill_len": cfg.prefill_len,
             "max_num_batched_tokens": budget,
-            "prefill_tok_s": round(prefill_tps(engine, args.prefill_len, rng), 1),
+            "prefill_tok_s": round(prefill_tps(engine, cfg.prefill_len, rng), 1),
         }
-        for b in tqdm(args.batch, desc=f"{model} decode", leave=False):
+        for b in tqdm(cfg.batch, desc=f"{model} decode", leave=False):
             row[f"decode_tok_s_b{b}"] = round(
-                decode_tps(engine, b, args.decode_ctx, args.decode_steps, rng), 1
+                decode_tps(engine, b, cfg.decode_ctx, cfg.decode_steps, rng), 1
             )
         engine.check_integrity()
         rows.append(row)
-    if args.json:
+    if cfg.json:
         print(json.dumps(rows, indent=2))
     else:
-        _print_table(rows, args.batch)
+        _print_table(rows, cfg.batch)
     return 0
 
 
-def _print_table(rows: list[dict], batches: list[int]) -> None:
+def _print_table(rows: list[dict], batches: Sequence[int]) -> None:
     head = ["model", "prefill tok/s"] + [f"decode tok/s b={b}" for b in batches]
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
