@@ -23,12 +23,14 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from multiprocessing.connection import Connection
+from typing import Literal
 
 import msgspec
 import numpy as np
 from tqdm import tqdm
 
 from pdserve.config import TransportConfig
+from pdserve.options import add_options, from_args, option
 from pdserve.transfer.transport import TransferState, Transport, create_transport
 from pdserve.transfer.transport.base import BackendUnavailableError
 from pdserve.transfer.transport.tcp import TcpOptions, TcpTransport
@@ -39,21 +41,36 @@ NIXL_GOAL_RATIO = 0.8
 IDLE_S = 2.0
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--transport", choices=["tcp", "nixl"], default="tcp")
-    parser.add_argument("--op", choices=["write", "read"], default="write")
-    parser.add_argument("--sizes-mb", default="1,4,16,64,256", help="comma-separated sizes in MiB")
-    parser.add_argument("--descs", default="16,256,4096", help="comma-separated descriptor counts")
-    parser.add_argument("--iters", type=int, default=0, help="timed transfers per point (0: auto)")
-    parser.add_argument("--no-raw", action="store_true", help="skip the raw NIXL baseline")
-    parser.add_argument(
-        "--force-tcp",
-        action="store_true",
+@dataclass(frozen=True)
+class TransportBenchConfig:
+    """What `pdserve bench transport` measures and how it prints it (its flags)."""
+
+    transport: Literal["tcp", "nixl"] = option("tcp", help="")
+    op: Literal["write", "read"] = option("write", help="")
+    sizes_mb: str = option("1,4,16,64,256", help="comma-separated sizes in MiB")
+    descs: str = option("16,256,4096", help="comma-separated descriptor counts")
+    iters: int = option(0, help="timed transfers per point (0: auto)")
+    raw: bool = option(True, flag="--no-raw", help="skip the raw NIXL baseline")
+    force_tcp: bool = option(
+        False,
         help="tcp backend: use TCP even between processes of one host (default: Unix socket)",
     )
-    parser.add_argument("--timeout", type=float, default=30.0, help="transport timeout_s")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", action="store_true", help="print the results as JSON only")
+    timeout_s: float = option(30.0, flag="--timeout", help="transport timeout_s")
+    seed: int = option(0, help="")
+    json: bool = option(False, help="print the results as JSON only")
+
+    def sizes(self) -> list[int]:
+        """`--sizes-mb` in bytes."""
+        return [int(float(s) * MB) for s in self.sizes_mb.split(",")]
+
+    def desc_counts(self) -> list[int]:
+        """`--descs` as numbers."""
+        return [int(n) for n in self.descs.split(",")]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of `pdserve bench transport` (declared on `TransportBenchConfig`)."""
+    add_options(parser, TransportBenchConfig)
 
 
 # -- messages between the two processes ---------------------------------------------------
@@ -175,9 +192,10 @@ def _gbps(size: int, seconds: float) -> float:
 class Bench:
     """The initiator side: our transport, the raw NIXL agent, the buffers."""
 
-    def __init__(self, args: argparse.Namespace, sizes: list[int], descs: list[int]) -> None:
-        self.args = args
-        self.rng = np.random.default_rng(args.seed)
+    def __init__(self, cfg: TransportBenchConfig) -> None:
+        self.cfg = cfg
+        sizes, descs = cfg.sizes(), cfg.desc_counts()
+        self.rng = np.random.default_rng(cfg.seed)
         self.grid = [(s, n) for s in sizes for n in descs if s % n == 0]
         regions = sorted(
             {
@@ -189,14 +207,14 @@ class Bench:
         top = max(sizes)
         self.src = self.rng.integers(0, 256, top, dtype=np.uint8)
         self.copy_dst = np.ones(top, dtype=np.uint8)
-        self.want_raw = args.transport == "nixl" and not args.no_raw
-        self.t = _open(args.transport, args.timeout, args.force_tcp, "bench-initiator")
+        self.want_raw = cfg.transport == "nixl" and cfg.raw
+        self.t = _open(cfg.transport, cfg.timeout_s, cfg.force_tcp, "bench-initiator")
         for i, (size, granule) in enumerate(regions):
             self.granule_region[granule] = self.t.register(
                 f"r{size}-{granule}", self.src[:size], granule=granule
             )
             assert self.granule_region[granule] == i  # the target registers the same list
-        plan = TargetPlan(args.transport, args.force_tcp, args.timeout, top, regions, self.want_raw)
+        plan = TargetPlan(cfg.transport, cfg.force_tcp, cfg.timeout_s, top, regions, self.want_raw)
         self._start_target(plan)
 
     def _start_target(self, plan: TargetPlan) -> None:
@@ -237,7 +255,7 @@ class Bench:
         )
 
     def iters_for(self, size: int) -> int:
-        return self.args.iters or max(5, min(100, (1 << 30) // size))
+        return self.cfg.iters or max(5, min(100, (1 << 30) // size))
 
     def measure(self, size: int, n: int) -> Point:
         d = size // n
@@ -271,9 +289,9 @@ class Bench:
         )
 
     def _one(self, loc: np.ndarray, rem: np.ndarray) -> None:
-        post = self.t.write if self.args.op == "write" else self.t.read
+        post = self.t.write if self.cfg.op == "write" else self.t.read
         h = post(self.peer, loc, rem, b"bench")
-        st = self.t.wait(h, self.args.timeout * 2)
+        st = self.t.wait(h, self.cfg.timeout_s * 2)
         if st is not TransferState.DONE:
             raise RuntimeError(f"transfer ended in {st.value}: {self.t.error(h)}")
         self.t.release(h)
@@ -290,7 +308,7 @@ class Bench:
         )
         lh = raw.prep_xfer_dlist("NIXL_INIT_AGENT", lrows.astype(np.uint64), "DRAM")
         rh = raw.prep_xfer_dlist(self.raw_name, rrows.astype(np.uint64), "DRAM")
-        op = self.args.op.upper()
+        op = self.cfg.op.upper()
 
         def run() -> None:
             x = raw.make_prepped_xfer(op, lh, idx, rh, idx, b"bench")
@@ -358,31 +376,35 @@ def _goals(points: list[Point], kind: str) -> list[str]:
 
 
 def main(args: argparse.Namespace) -> int:
+    """Run the benchmark of the parsed flags; 2 when the backend is unavailable."""
+    return run(from_args(TransportBenchConfig, args))
+
+
+def run(cfg: TransportBenchConfig) -> int:
+    """Measure every point of `cfg`'s grid and print the table (or JSON)."""
     # NIXL logs at INFO to stdout, which would corrupt --json; its own knob, inherited by the
     # target process. An explicit NIXL_LOG_LEVEL from the user wins.
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
-    sizes = [int(float(s) * MB) for s in args.sizes_mb.split(",")]
-    descs = [int(n) for n in args.descs.split(",")]
     try:
-        bench = Bench(args, sizes, descs)
+        bench = Bench(cfg)
     except BackendUnavailableError as exc:
         print(f"pdserve bench transport: {exc}", file=sys.stderr)
         return 2
     try:
         points = [
             bench.measure(s, n)
-            for s, n in tqdm(bench.grid, desc=f"{args.transport} {args.op}", file=sys.stderr)
+            for s, n in tqdm(bench.grid, desc=f"{cfg.transport} {cfg.op}", file=sys.stderr)
         ]
         idle = bench.idle_cpu()
         path = bench.path()
     finally:
         bench.close()
-    goals = _goals(points, args.transport)
+    goals = _goals(points, cfg.transport)
     env = {k: v for k, v in os.environ.items() if k.startswith(("UCX_", "NIXL_"))}
-    if args.json:
+    if cfg.json:
         out = {
-            "transport": args.transport,
-            "op": args.op,
+            "transport": cfg.transport,
+            "op": cfg.op,
             "points": [asdict(p) for p in points],
             "idle_cpu_s": idle,
             "idle_window_s": IDLE_S,
@@ -392,8 +414,8 @@ def main(args: argparse.Namespace) -> int:
         }
         print(json.dumps(out, indent=2))
         return 0
-    print(f"{args.transport} {args.op} over {path}")
-    print(_table(points, args.transport))
+    print(f"{cfg.transport} {cfg.op} over {path}")
+    print(_table(points, cfg.transport))
     cpu = f"initiator {idle['initiator']:.3f} s, target {idle['target']:.3f} s"
     print(f"idle CPU over {IDLE_S:g} s: {cpu}")
     for line in goals:
