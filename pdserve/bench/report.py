@@ -23,6 +23,7 @@ import numpy as np
 from matplotlib.figure import Figure
 
 from pdserve.bench.metrics import BenchResult, load_result
+from pdserve.options import add_options, from_args, option
 
 SeriesKey = tuple[str, int | None]
 
@@ -350,22 +351,39 @@ def load_results(paths: Sequence[str | Path]) -> list[BenchResult]:
     return [load_result(p) for p in paths]
 
 
+@dataclass(frozen=True)
+class ReportConfig:
+    """A report over saved results (`bench report`'s flags; `results` is its positional)."""
+
+    results: tuple[Path, ...]  # the positional RESULTS (options.py declares only flags)
+    out: Path | None = option(None, help="default: the first file's folder")
+    name: str = option("report", help="")
+    mode: str = option("push", help="mode divided by the baseline")
+    baseline: str = option("pull", help="")
+
+    def out_dir(self) -> Path:
+        """Where the report goes: `out`, else the first result's folder."""
+        return self.out or self.results[0].parent
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of a report over saved results (a `bench report` command, or `python -m`)."""
+    # A positional: options.py declares flags only, so it is added here and handed to
+    # `from_args` as a computed field.
     parser.add_argument("results", nargs="+", type=Path, help="result JSON files")
-    parser.add_argument("--out", type=Path, default=None, help="default: the first file's folder")
-    parser.add_argument("--name", default="report")
-    parser.add_argument("--mode", default="push", help="mode divided by the baseline")
-    parser.add_argument("--baseline", default="pull")
+    add_options(parser, ReportConfig)
 
 
 def main(args: argparse.Namespace) -> int:
+    """Write the report of the parsed arguments and print its summary."""
+    return run(from_args(ReportConfig, args, results=tuple(args.results)))
+
+
+def run(cfg: ReportConfig) -> int:
     """Write the report and print its summary."""
-    results = load_results(args.results)
-    files = write_report(
-        results, args.out or args.results[0].parent, args.name, args.mode, args.baseline
-    )
-    print(summarize(results, args.mode, args.baseline))
+    results = load_results(cfg.results)
+    files = write_report(results, cfg.out_dir(), cfg.name, cfg.mode, cfg.baseline)
+    print(summarize(results, cfg.mode, cfg.baseline))
     print(f"\nwrote {files.markdown} and {len(files.plots)} plots")
     return 0
 
