@@ -25,8 +25,11 @@ import statistics
 import subprocess
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import msgspec
+
+from pdserve.options import add_options, from_args, option
 
 
 class PrefillCapacity(msgspec.Struct, frozen=True, kw_only=True):
@@ -92,30 +95,37 @@ def measure_prefill_capacity(
     return msgspec.structs.replace(measured, cores=None if cores is None else list(cores))
 
 
-def _measure_here(model: str, input_lens: Sequence[int], threads: int, repeats: int) -> dict:
+@dataclass(frozen=True, kw_only=True)
+class CapacityRun:
+    """One measurement in the child process (the flags `measure_prefill_capacity` passes)."""
+
+    model: str = option("builtin:small", help="")
+    input_len: tuple[int, ...] = option(nargs="+", help="")
+    threads: int = option(1, help="")
+    repeats: int = option(3, help="")
+
+
+def _measure_here(run: CapacityRun) -> dict:
     # Heavy imports stay inside the child process.
     from pdserve.bench.engine import prefill_tps
     from pdserve.config import EngineConfig, ModelConfig
     from pdserve.engine.engine import LLMEngine
 
-    engine = LLMEngine.from_config(EngineConfig(model=ModelConfig(model=model), threads=threads))
+    model_cfg = ModelConfig(model=run.model)
+    engine = LLMEngine.from_config(EngineConfig(model=model_cfg, threads=run.threads))
     rng = random.Random(0)
-    prefill_tps(engine, min(input_lens), rng)  # first-call costs (allocator, kernels)
+    prefill_tps(engine, min(run.input_len), rng)  # first-call costs (allocator, kernels)
     tok_s = {}
-    for n in input_lens:
-        tok_s[n] = statistics.median(prefill_tps(engine, n, rng) for _ in range(repeats))
-    return {"model": model, "threads": threads, "tok_s": tok_s}
+    for n in run.input_len:
+        tok_s[n] = statistics.median(prefill_tps(engine, n, rng) for _ in range(run.repeats))
+    return {"model": run.model, "threads": run.threads, "tok_s": tok_s}
 
 
 def main() -> int:
     """Child entry: print one JSON line {model, threads, tok_s: {len: tok/s}}."""
     parser = argparse.ArgumentParser(prog="python -m pdserve.bench.capacity")
-    parser.add_argument("--model", default="builtin:small")
-    parser.add_argument("--input-len", type=int, nargs="+", required=True)
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--repeats", type=int, default=3)
-    args = parser.parse_args()
-    print(json.dumps(_measure_here(args.model, args.input_len, args.threads, args.repeats)))
+    add_options(parser, CapacityRun)
+    print(json.dumps(_measure_here(from_args(CapacityRun, parser.parse_args()))))
     return 0
 
 
