@@ -60,14 +60,13 @@ QUIET_ENV = {
 def write_checkpoint(out: Path) -> Path:
     """A random Qwen3 small enough for CPU, with weights scaled up so that greedy output
     depends on the whole prompt (the default init makes every prompt decode one token)."""
-    import argparse
-
     import torch
     from safetensors.torch import load_file, save_file
 
+    from pdserve.bench.make_checkpoint import CheckpointShape
     from pdserve.bench.make_checkpoint import write_checkpoint as write
 
-    args = argparse.Namespace(
+    shape = CheckpointShape(
         layers=2,
         hidden=256,
         intermediate=512,
@@ -79,7 +78,7 @@ def write_checkpoint(out: Path) -> Path:
         dtype="float32",
         seed=0,
     )
-    write(args, out)
+    write(shape, out)
     weights = load_file(out / "model.safetensors")
     scaled = {k: (v * 6 if v.dim() == 2 else v).contiguous() for k, v in weights.items()}
     save_file(scaled, out / "model.safetensors", metadata={"format": "pt"})

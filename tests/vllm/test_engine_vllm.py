@@ -10,7 +10,6 @@ connector in push mode (both legs at once).
 
 from __future__ import annotations
 
-import argparse
 import os
 import signal
 import subprocess
@@ -55,13 +54,19 @@ def _make_checkpoint(out: Path) -> Path:
     prompt (at the default scale every prompt decodes the same token)."""
     from safetensors.torch import load_file, save_file
 
-    from pdserve.bench.make_checkpoint import write_checkpoint
+    from pdserve.bench.make_checkpoint import CheckpointShape, write_checkpoint
 
-    shape = dict(layers=2, hidden=256, intermediate=512, heads=4, kv_heads=2, head_dim=64)
-    write_checkpoint(
-        argparse.Namespace(**shape, vocab_size=None, max_positions=4096, dtype="float32", seed=0),
-        out,
+    shape = CheckpointShape(
+        layers=2,
+        hidden=256,
+        intermediate=512,
+        heads=4,
+        kv_heads=2,
+        head_dim=64,
+        max_positions=4096,
+        dtype="float32",
     )
+    write_checkpoint(shape, out)
     weights = load_file(out / "model.safetensors")
     scaled = {k: (v * 6 if v.dim() == 2 else v).contiguous() for k, v in weights.items()}
     save_file(scaled, out / "model.safetensors", metadata={"format": "pt"})
