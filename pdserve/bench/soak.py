@@ -576,18 +576,28 @@ def _log_event(event: Event) -> None:
 # -- CLI ------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class SoakCommand:
+    """The `pdserve bench soak` flags that are not a `SoakConfig` field as such:
+    `config_from_args` turns them into its fields."""
+
+    duration_min: float = option(SoakConfig.duration_s / 60, help="")  # -> duration_s
+    restart: bool = option(True, flag="--no-restart", help="no prefill restart")
+    disable_tqdm: bool = option(False, help="")  # -> progress=False
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Flags of `pdserve bench soak` (declared on `SoakConfig` and `TrafficConfig`);
-    everything after `--` goes to every instance."""
-    d = SoakConfig()
-    parser.add_argument("--duration-min", type=float, default=d.duration_s / 60)
+    """Flags of `pdserve bench soak` (declared on `SoakCommand`, `SoakConfig` and
+    `TrafficConfig`); everything after `--` goes to every instance."""
+    add_options(parser, SoakCommand, only=("duration_min",))
     add_options(parser, SoakConfig, only=("mode", "transport", "model"))
     add_options(parser, SoakConfig, only=("request_rate", "target_load"))
     add_options(parser, TrafficConfig)
     add_options(parser, SoakConfig, only=("restart_at",))
-    parser.add_argument("--no-restart", action="store_true", help="no prefill restart")
+    add_options(parser, SoakCommand, only=("restart",))
     add_options(parser, SoakConfig, only=_REST)
-    parser.add_argument("--disable-tqdm", action="store_true")
+    add_options(parser, SoakCommand, only=("disable_tqdm",))
+    # A positional (options.py declares flags only): handed to `from_args` as computed.
     parser.add_argument("instance_args", nargs=argparse.REMAINDER, help="-- then instance flags")
 
 
@@ -606,15 +616,16 @@ _REST = (
 
 def config_from_args(args: argparse.Namespace) -> SoakConfig:
     """SoakConfig of parsed flags; ValueError for an invalid combination."""
+    cmd = from_args(SoakCommand, args)
     extra = list(args.instance_args)
     return from_args(
         SoakConfig,
         args,
-        duration_s=args.duration_min * 60,
+        duration_s=cmd.duration_min * 60,
         traffic=from_args(TrafficConfig, args),
-        restart_at=None if args.no_restart or args.kill_every else args.restart_at,
+        restart_at=None if not cmd.restart or args.kill_every else args.restart_at,
         instance_args=tuple(extra[1:] if extra[:1] == ["--"] else extra),
-        progress=False if args.disable_tqdm else None,
+        progress=False if cmd.disable_tqdm else None,
     )
 
 

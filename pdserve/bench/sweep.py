@@ -542,6 +542,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     to every local instance."""
     add_options(parser, SweepConfig, only=_GRID)
     add_options(parser, SweepConfig, only=("model", "transport", "base_urls"))
+    # A positional (options.py declares flags only): handed to `from_args` as computed.
     group_titled(parser, ENDPOINTS_GROUP).add_argument(
         "instance_args", nargs=argparse.REMAINDER, help="-- then extra arguments for instances"
     )
