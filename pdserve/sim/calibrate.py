@@ -30,6 +30,7 @@ from pathlib import Path
 import msgspec
 
 from pdserve.bench.metrics import BenchResult, load_result
+from pdserve.options import add_options, from_args, option
 from pdserve.sim.validation import Outcome, Point, ValidationSet, evaluate, profiles_for
 
 METRICS = ("median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms", "median_handoff_ms")
@@ -309,23 +310,34 @@ def dump_validation(vs: ValidationSet) -> str:
     return json.dumps(raw, indent=1)[:-2] + f',\n "points": [\n{lines}\n ]\n}}\n'
 
 
+@dataclass(frozen=True)
+class CalibrateConfig:
+    """One calibration (`python -m pdserve.sim.calibrate`'s flags): the measured sweep it
+    fits to and the validation set it writes."""
+
+    measured: Path = option(help="a `bench sweep` --out-dir")
+    out: Path = option(help="validation set JSON to write")
+    name: str | None = option(None, help="set name (default: the file's stem)")
+    description: str = option("", help="")
+    assumptions: str = option("", help="")
+    fit_rate: float | None = option(None, help="default: the lightest rate")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """CLI: read a measured sweep, fit, write the validation set, print the tables."""
     parser = argparse.ArgumentParser(
         prog="python -m pdserve.sim.calibrate", description=__doc__.split("\n")[0]
     )
-    parser.add_argument("--measured", type=Path, required=True, help="a `bench sweep` --out-dir")
-    parser.add_argument("--out", type=Path, required=True, help="validation set JSON to write")
-    parser.add_argument("--name", default=None, help="set name (default: the file's stem)")
-    parser.add_argument("--description", default="")
-    parser.add_argument("--assumptions", default="")
-    parser.add_argument("--fit-rate", type=float, default=None, help="default: the lightest rate")
-    args = parser.parse_args(argv)
-    name = args.name or args.out.stem
-    template = template_set(name, args.description, args.assumptions)
-    vs = build(template, load_sweep(args.measured), args.fit_rate, log=print)
-    args.out.write_text(dump_validation(vs))
-    print(f"wrote {args.out}\n{vs.fitted}\n")
+    add_options(parser, CalibrateConfig)
+    return calibrate(from_args(CalibrateConfig, parser.parse_args(argv)))
+
+
+def calibrate(cfg: CalibrateConfig) -> int:
+    """Read the measured sweep, fit, write the validation set, print the tables."""
+    template = template_set(cfg.name or cfg.out.stem, cfg.description, cfg.assumptions)
+    vs = build(template, load_sweep(cfg.measured), cfg.fit_rate, log=print)
+    cfg.out.write_text(dump_validation(vs))
+    print(f"wrote {cfg.out}\n{vs.fitted}\n")
     outcomes = evaluate(vs)
     print(wide_table(outcomes) + "\n\n" + error_summary(outcomes))
     return 0
