@@ -20,10 +20,12 @@ import json
 import random
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from pdserve.options import add_options, from_args, option
 from pdserve.sim.costs import CostModel, SeqWork, step_bytes, step_flops
 from pdserve.sim.profiles import HardwareProfile, ModelProfile, SoftwareProfile, load_model
 
@@ -187,20 +189,33 @@ def measure(model_name: str, threads: int) -> tuple[HardwareProfile, SoftwarePro
     return hardware, software, samples
 
 
+@dataclass(frozen=True, kw_only=True)
+class MeasureConfig:
+    """One measurement (`python -m pdserve.sim.measure`'s flags)."""
+
+    model: str = option("builtin:small", help="")
+    threads: int = option(1, help="")
+    out_dir: Path = option(help="")
+
+
 def main() -> int:
+    """CLI: measure, write the two profiles, print each step's fit."""
     parser = argparse.ArgumentParser(prog="python -m pdserve.sim.measure")
-    parser.add_argument("--model", default="builtin:small")
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--out-dir", type=Path, required=True)
-    args = parser.parse_args()
-    hardware, software, samples = measure(args.model, args.threads)
-    args.out_dir.mkdir(parents=True, exist_ok=True)
+    add_options(parser, MeasureConfig)
+    return write_profiles(from_args(MeasureConfig, parser.parse_args()))
+
+
+def write_profiles(cfg: MeasureConfig) -> int:
+    """Measure this machine, write `cfg.out_dir`/hardware.json and software.json, print
+    each step's measured and modelled time."""
+    hardware, software, samples = measure(cfg.model, cfg.threads)
+    cfg.out_dir.mkdir(parents=True, exist_ok=True)
     import msgspec
 
     for kind, profile in (("hardware", hardware), ("software", software)):
         raw = msgspec.json.format(msgspec.json.encode(profile), indent=2)
-        (args.out_dir / f"{kind}.json").write_bytes(raw + b"\n")
-    costs = CostModel(load_model(args.model.replace("builtin:", "builtin-")), hardware, software)
+        (cfg.out_dir / f"{kind}.json").write_bytes(raw + b"\n")
+    costs = CostModel(load_model(cfg.model.replace("builtin:", "builtin-")), hardware, software)
     rows = [
         {"seqs": len(s), "new": s[0].num_new, "cached": s[0].num_cached,
          "fitted": is_fit_sample(s), "measured_ms": round(t * 1e3, 3),
@@ -209,7 +224,7 @@ def main() -> int:
         for s, t in samples
     ]  # fmt: skip
     print(json.dumps(rows, indent=1))
-    print(f"wrote {args.out_dir}/hardware.json and software.json")
+    print(f"wrote {cfg.out_dir}/hardware.json and software.json")
     return 0
 
 
