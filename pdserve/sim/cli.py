@@ -17,14 +17,16 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from pdserve.bench.arrivals import ArrivalConfig
 from pdserve.bench.dataset import RandomDatasetConfig, TraceError
 from pdserve.bench.metrics import BenchResult, parse_goodput, save_result
 from pdserve.bench.serve import BenchConfig
-from pdserve.options import add_options, from_args
-from pdserve.sim.cluster_config import MODES, ClusterConfig
+from pdserve.options import add_options, from_args, option
+from pdserve.sim.cluster_config import ClusterConfig, Mode
 from pdserve.sim.profiles import (
     builtin_names,
     load_hardware,
@@ -45,41 +47,72 @@ def _key_value(item: str) -> tuple[str, str]:
     return key.strip(), value.strip()
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Flags of `pdserve sim`."""
-    c = parser.add_argument_group("cluster")
-    c.add_argument("--model", default="qwen3-32b", help="model profile name or JSON path")
-    c.add_argument("--hardware", default="h200-p5en", help="hardware profile name or JSON path")
-    c.add_argument("--software", default="vllm-gpu", help="software profile name or JSON path")
-    c.add_argument("--tp", type=int, default=None, help="TP size of every instance")
-    c.add_argument("--tp-prefill", type=int, default=1)
-    c.add_argument("--tp-decode", type=int, default=1)
-    c.add_argument("--num-prefill", type=int, default=1)
-    c.add_argument("--num-decode", type=int, default=1)
-    c.add_argument("--mode", nargs="+", choices=MODES, default=["pull", "push"])
-    c.add_argument(
-        "--set",
+@dataclass(frozen=True)
+class SimCommand:
+    """What `pdserve sim` is asked to do, besides the workload (`pdserve bench serve`'s
+    configs): the simulated cluster's profiles and layout, the modes, the sweep's grid and
+    where results go; or one of the other jobs (list profiles, validate, planner shift)."""
+
+    # cluster
+    model: str = option("qwen3-32b", help="model profile name or JSON path")
+    hardware: str = option("h200-p5en", help="hardware profile name or JSON path")
+    software: str = option("vllm-gpu", help="software profile name or JSON path")
+    tp: int | None = option(None, help="TP size of every instance")
+    tp_prefill: int = option(1, help="")
+    tp_decode: int = option(1, help="")
+    num_prefill: int = option(1, help="")
+    num_decode: int = option(1, help="")
+    mode: tuple[Mode, ...] = option(("pull", "push"), nargs="+", help="")
+    overrides: tuple[tuple[str, str], ...] = option(
+        (),
+        flag="--set",
         nargs="*",
-        type=_key_value,
-        default=[],
+        parse=_key_value,
         metavar="SECTION.FIELD=VALUE",
         help="override a profile field, e.g. software.per_descriptor_s=1e-6 "
         "hardware.flops_efficiency=0.5",
     )
-    c.add_argument("--list-profiles", action="store_true", help="print built-in profiles")
-    c.add_argument(
-        "--validate",
-        default=None,
+    list_profiles: bool = option(False, help="print built-in profiles")
+    validate: str | None = option(
+        None,
         metavar="NAME",
         help="simulate a validation set (e.g. seed-p5en) and print the error per point",
     )
-    c.add_argument(
-        "--planner-shift",
-        action="store_true",
+    planner_shift: bool = option(
+        False,
         help="replay a load that shifts from prefill-heavy to decode-heavy with the planner "
         "choosing the layout each window, against fixed 1P1D/2P1D/1P2D, in the first --mode "
         "(docs/multi-host.md)",
     )
+    # sweep
+    sweep: bool = option(False, help="grid of input lengths x rates x modes")
+    input_lens: tuple[int, ...] = option((1024, 4096, 16384), nargs="+", help="")
+    rates: tuple[float, ...] = option((1.0, 2.0, 4.0, 8.0), nargs="+", help="")
+    # output
+    save_result: Path | None = option(None, help="JSON of a one-mode run")
+    out: Path | None = option(None, help="save every run and the report here")
+
+
+_CLUSTER = (
+    "model",
+    "hardware",
+    "software",
+    "tp",
+    "tp_prefill",
+    "tp_decode",
+    "num_prefill",
+    "num_decode",
+    "mode",
+    "overrides",
+    "list_profiles",
+    "validate",
+    "planner_shift",
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of `pdserve sim` (declared on `SimCommand` and `pdserve bench serve`'s configs)."""
+    add_options(parser.add_argument_group("cluster"), SimCommand, only=_CLUSTER)
 
     # The flags of `pdserve bench serve` for the same fields (declared on its configs).
     w = parser.add_argument_group("workload (as `pdserve bench serve`)")
@@ -89,18 +122,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_options(w, BenchConfig, only=("max_concurrency", "seed", "num_warmups"))
 
     s = parser.add_argument_group("sweep")
-    s.add_argument("--sweep", action="store_true", help="grid of input lengths x rates x modes")
-    s.add_argument("--input-lens", type=int, nargs="+", default=[1024, 4096, 16384])
-    s.add_argument("--rates", type=float, nargs="+", default=[1.0, 2.0, 4.0, 8.0])
+    add_options(s, SimCommand, only=("sweep", "input_lens", "rates"))
 
     o = parser.add_argument_group("output")
     add_options(o, BenchConfig, only=("goodput", "label", "metadata"))
-    o.add_argument("--save-result", type=Path, default=None, help="JSON of a one-mode run")
-    o.add_argument("--out", type=Path, default=None, help="save every run and the report here")
+    add_options(o, SimCommand, only=("save_result", "out"))
     add_options(o, BenchConfig, only=("disable_tqdm",))
 
 
-def _overrides(items: list[tuple[str, str]]) -> dict[str, dict[str, str]]:
+def _overrides(items: Sequence[tuple[str, str]]) -> dict[str, dict[str, str]]:
     sections: dict[str, dict[str, str]] = {"model": {}, "hardware": {}, "software": {}}
     for key, value in items:
         section, _, name = key.partition(".")
@@ -110,24 +140,9 @@ def _overrides(items: list[tuple[str, str]]) -> dict[str, dict[str, str]]:
     return sections
 
 
-def config_from_args(args: argparse.Namespace) -> SimConfig:
-    """The base SimConfig (first mode) from parsed flags; ValueError when invalid."""
-    sets = _overrides(args.set)
-    model = with_overrides(load_model(args.model), sets["model"])
-    hardware = with_overrides(load_hardware(args.hardware), sets["hardware"])
-    software = with_overrides(load_software(args.software), sets["software"])
-    cluster = ClusterConfig(
-        model=model,
-        hardware=hardware,
-        software=software,
-        mode=args.mode[0],
-        num_prefill=args.num_prefill,
-        num_decode=args.num_decode,
-        tp_prefill=args.tp or args.tp_prefill,
-        tp_decode=args.tp or args.tp_decode,
-        warm=args.num_warmups > 0,
-    )
-    workload = from_args(
+def workload_from_args(args: argparse.Namespace) -> BenchConfig:
+    """The simulated workload of parsed flags (`pdserve bench serve`'s); ValueError if bad."""
+    return from_args(
         BenchConfig,
         args,
         model=None,  # `--model` is the simulated model's profile here, not a served name
@@ -136,7 +151,32 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         arrivals=from_args(ArrivalConfig, args),
         goodput=tuple(parse_goodput(args.goodput).items()),
     )
+
+
+def sim_config(cmd: SimCommand, workload: BenchConfig) -> SimConfig:
+    """The base SimConfig (first mode): the profiles loaded, with `--set`'s overrides;
+    ValueError when invalid."""
+    sets = _overrides(cmd.overrides)
+    model = with_overrides(load_model(cmd.model), sets["model"])
+    hardware = with_overrides(load_hardware(cmd.hardware), sets["hardware"])
+    software = with_overrides(load_software(cmd.software), sets["software"])
+    cluster = ClusterConfig(
+        model=model,
+        hardware=hardware,
+        software=software,
+        mode=cmd.mode[0],
+        num_prefill=cmd.num_prefill,
+        num_decode=cmd.num_decode,
+        tp_prefill=cmd.tp or cmd.tp_prefill,
+        tp_decode=cmd.tp or cmd.tp_decode,
+        warm=workload.num_warmups > 0,
+    )
     return SimConfig(cluster=cluster, workload=workload)
+
+
+def config_from_args(args: argparse.Namespace) -> SimConfig:
+    """The base SimConfig (first mode) from parsed flags; ValueError when invalid."""
+    return sim_config(from_args(SimCommand, args), workload_from_args(args))
 
 
 def _list_profiles() -> str:
@@ -165,52 +205,64 @@ def _validate(name: str) -> int:
     return 0
 
 
-def _run(cfg: SimConfig, args: argparse.Namespace) -> list[BenchResult]:
-    if args.sweep:
-        if args.dataset_path is not None:
+def _run(cmd: SimCommand, workload: BenchConfig) -> list[BenchResult]:
+    cfg = sim_config(cmd, workload)
+    if cmd.sweep:
+        if workload.trace_path is not None:
             raise ValueError("--sweep varies input lengths; it cannot replay a trace")
         return run_sweep(
-            cfg, args.input_lens, args.rates, args.mode, args.out, not args.disable_tqdm
+            cfg, cmd.input_lens, cmd.rates, cmd.mode, cmd.out, not workload.disable_tqdm
         )
     results = []
-    for mode in args.mode:
+    for mode in cmd.mode:
         point = dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster, mode=mode))
         result = run_sim(point)
-        if args.out is not None:
-            save_result(result, args.out / result_name(result))
+        if cmd.out is not None:
+            save_result(result, cmd.out / result_name(result))
         results.append(result)
     return results
 
 
 def main(args: argparse.Namespace) -> int:
     """Simulate, print the summary, save JSONs and the report as asked."""
+    cmd = from_args(SimCommand, args)
+    try:
+        workload = workload_from_args(args)
+    except ValueError as exc:
+        print(f"pdserve sim: {exc}", file=sys.stderr)
+        return 1
+    return run(cmd, workload)
+
+
+def run(cmd: SimCommand, workload: BenchConfig) -> int:
+    """Do what `cmd` asks on `workload`; the exit status."""
     from pdserve.bench.report import format_run, summarize, write_report
 
-    if args.list_profiles:
+    if cmd.list_profiles:
         print(_list_profiles())
         return 0
-    if args.validate:
-        return _validate(args.validate)
-    if args.planner_shift:
+    if cmd.validate:
+        return _validate(cmd.validate)
+    if cmd.planner_shift:
         from pdserve.sim.planner_replay import shift_report
 
-        print(shift_report(config_from_args(args).cluster))
+        print(shift_report(sim_config(cmd, workload).cluster))
         return 0
-    if args.save_result is not None and (args.sweep or len(args.mode) > 1):
+    if cmd.save_result is not None and (cmd.sweep or len(cmd.mode) > 1):
         print("pdserve sim: --save-result takes one run; use --out DIR", file=sys.stderr)
         return 2
     try:
-        results = _run(config_from_args(args), args)
+        results = _run(cmd, workload)
     except (ValueError, TraceError) as exc:
         print(f"pdserve sim: {exc}", file=sys.stderr)
         return 1
     if len(results) == 1:
         print(format_run(results[0]))
     print(summarize(results))
-    if args.save_result is not None:
-        save_result(results[0], args.save_result)
-        print(f"saved {args.save_result}")
-    if args.out is not None:
-        files = write_report(results, args.out)
+    if cmd.save_result is not None:
+        save_result(results[0], cmd.save_result)
+        print(f"saved {cmd.save_result}")
+    if cmd.out is not None:
+        files = write_report(results, cmd.out)
         print(f"wrote {len(results)} results, {files.markdown} and {len(files.plots)} plots")
     return 0
