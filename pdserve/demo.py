@@ -19,9 +19,11 @@ from __future__ import annotations
 import argparse
 import shlex
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from pdserve.bench.sweep import SweepConfig, sweep_and_report
+from pdserve.options import add_options, from_args, option
 
 DEMO_DIR = Path("results/demo")
 
@@ -42,14 +44,21 @@ def demo_config(out_dir: Path = DEMO_DIR, monolithic: bool = False) -> SweepConf
     )
 
 
+@dataclass(frozen=True)
+class DemoOptions:
+    """What the demo's command line may change (`demo_config` makes the rest)."""
+
+    out_dir: Path = option(DEMO_DIR, help="")
+    monolithic: bool = option(False, help="add the monolithic floor")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the demo sweep; 0 when every point ran (failed requests show in the table)."""
     parser = argparse.ArgumentParser(prog="python -m pdserve.demo", description=__doc__)
-    parser.add_argument("--out-dir", type=Path, default=DEMO_DIR)
-    parser.add_argument("--monolithic", action="store_true", help="add the monolithic floor")
+    add_options(parser, DemoOptions)
     argv = sys.argv[1:] if argv is None else argv
-    args = parser.parse_args(argv)
-    cfg = demo_config(args.out_dir, args.monolithic)
+    opts = from_args(DemoOptions, parser.parse_args(argv))
+    cfg = demo_config(opts.out_dir, opts.monolithic)
     print(
         f"pdserve demo: {' vs '.join(cfg.modes)} on {cfg.model}, input lengths "
         f"{list(cfg.input_lens)}, rates {list(cfg.rates)} req/s, {cfg.num_prompts} prompts "

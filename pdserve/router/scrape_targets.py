@@ -41,6 +41,7 @@ def targets(exposition: str) -> list[dict[str, Any]]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    # Its one argument is a positional, which options.py does not declare (flags only).
     parser.add_argument("router", help="the router's URL, e.g. http://127.0.0.1:8000")
     args = parser.parse_args(argv)
     resp = http_client.get(f"{args.router.rstrip('/')}/metrics", timeout_s=10)
