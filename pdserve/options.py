@@ -15,7 +15,11 @@ What a flag takes from its field, unless the option says otherwise:
 - its choices: the values of a `Literal` annotation, in order (not with `parse=`, which
   checks its own);
 - bool: `--x` stores True (default False); a default-True field names its `--no-x` flag,
-  which stores False; `negatable=True` gives both `--x` and `--no-x`.
+  which stores False; `negatable=True` gives both `--x` and `--no-x`;
+- an optional value: `nargs="?"` with `const=`, the value of the flag given alone.
+
+Positional arguments are not declared here: a command adds its own with `add_argument` and
+passes its value to `from_args` as a computed field.
 
 A flag's namespace attribute (dest) is argparse's own name for it (`--kv-cache-memory` ->
 `kv_cache_memory`; a `--no-x` flag -> `x`), so one flag may feed fields of several configs:
@@ -63,7 +67,8 @@ class Option:
     flag_default: Any = UNSET  # the flag's default, where it is not the field's
     negatable: bool = False
     required: bool | None = None  # None: required when the field has no default
-    nargs: str | int | None = None  # "+" or "*": see `_list_kwargs` on repeating it
+    nargs: str | int | None = None  # "+" or "*": see `_list_kwargs` on repeating it; "?"
+    const: Any = None  # with nargs="?": the value of the flag given without one
     append: bool = False  # one value per use, the flag repeated for more
 
     def name(self, field: str) -> str:
@@ -142,7 +147,9 @@ def _argparse_kwargs(field: dataclasses.Field, opt: Option, hint: Any) -> dict[s
     if required:
         kwargs["required"] = True
         del kwargs["default"]
-    if opt.nargs is not None or opt.append:
+    if opt.nargs == "?":
+        kwargs |= {"nargs": "?", "const": opt.const}
+    elif opt.nargs is not None or opt.append:
         kwargs |= _list_kwargs(opt, default, required)
     # A `parse` function checks its own values (its result may be a tuple of choices).
     choices = opt.choices if opt.choices is not None or opt.parse else _choices(hint)

@@ -115,3 +115,17 @@ def test_a_list_flag_replaces_a_non_empty_default_and_extends_an_empty_one() -> 
     assert from_args(Grid, parser.parse_args([])) == Grid()
     args = parser.parse_args(["--sizes", "3", "--sizes", "4", "5", "--names", "a", "--names", "b"])
     assert from_args(Grid, args) == Grid(sizes=(4, 5), names=("a", "b"))
+
+
+@dataclass(frozen=True)
+class Saving:
+    save: str | None = option(None, nargs="?", const="", metavar="FILE", help="save")
+
+
+def test_an_optional_value_flag_takes_its_const_when_given_alone() -> None:
+    parser = argparse.ArgumentParser()
+    add_options(parser, Saving)
+    assert from_args(Saving, parser.parse_args([])) == Saving(save=None)
+    assert from_args(Saving, parser.parse_args(["--save"])) == Saving(save="")
+    assert from_args(Saving, parser.parse_args(["--save", "f.json"])) == Saving(save="f.json")
+    assert "--save [FILE]" in parser.format_help()
