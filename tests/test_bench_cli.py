@@ -12,12 +12,14 @@ from pdserve.bench.serve import (
     CHAT_ENDPOINT,
     COMPLETIONS_ENDPOINT,
     BenchConfig,
+    ResultOutput,
     config_from_args,
     default_result_filename,
     result_path,
 )
 from pdserve.cli import main as cli_main
 from pdserve.cli import parse_args
+from pdserve.options import from_args
 
 
 def _args(*argv: str) -> argparse.Namespace:
@@ -26,6 +28,10 @@ def _args(*argv: str) -> argparse.Namespace:
 
 def _cfg(*argv: str) -> BenchConfig:
     return config_from_args(_args(*argv))
+
+
+def _output(*argv: str) -> ResultOutput:
+    return from_args(ResultOutput, _args(*argv))
 
 
 def test_vllm_flags_map_to_the_config() -> None:
@@ -101,17 +107,16 @@ def test_result_path(tmp_path: Path) -> None:
     from test_bench_result import _result
 
     r = _result()  # label None, backend openai, model "m", rate inf, date 20260101-120000
-    assert result_path(_args(), r) is None
-    assert result_path(_args("--save-result", "a/b.json"), r) == Path("a/b.json")
+    assert result_path(_output(), r) is None
+    assert result_path(_output("--save-result", "a/b.json"), r) == Path("a/b.json")
     default = "openai-infqps-m-20260101-120000.json"
-    assert result_path(_args("--save-result"), r) == Path(default)
-    assert (
-        result_path(_args("--save-result", "--result-dir", str(tmp_path)), r) == tmp_path / default
-    )
-    assert result_path(_args("--result-dir", "d", "--result-filename", "x.json"), r) == Path(
-        "d/x.json"
-    )
-    assert result_path(_args("--save-result", "f.json", "--result-dir", "d"), r) == Path("d/f.json")
+    assert result_path(_output("--save-result"), r) == Path(default)
+    saved_in = _output("--save-result", "--result-dir", str(tmp_path))
+    assert result_path(saved_in, r) == tmp_path / default
+    named = _output("--result-dir", "d", "--result-filename", "x.json")
+    assert result_path(named, r) == Path("d/x.json")
+    both = _output("--save-result", "f.json", "--result-dir", "d")
+    assert result_path(both, r) == Path("d/f.json")
 
 
 def test_default_result_filename_follows_vllm() -> None:

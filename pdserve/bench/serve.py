@@ -511,88 +511,6 @@ async def run_benchmark(cfg: BenchConfig) -> BenchResult:
     return _result(cfg, model, requests, offsets, records, duration, clock, host_cpu)
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Flags of `pdserve bench serve`: `vllm bench serve`'s names for the same things, and
-    pdserve's older spellings (--input-len, --trace, ...) as aliases. Most are declared on
-    the configs they set (BenchConfig, RandomDatasetConfig, MultiTurnConfig, ArrivalConfig);
-    the others only shape the command line: where the server is, which API it speaks, where
-    the result goes and which CPUs the client runs on."""
-    _add_endpoint(parser)
-    add_options(parser, BenchConfig, only=("tokenize_url",))
-    add_options(parser, BenchConfig, only=("dataset_name",))
-    add_options(parser, MultiTurnConfig)
-    add_options(parser, BenchConfig, only=("trace_path", "use_trace_timing", "num_prompts"))
-    add_options(parser, RandomDatasetConfig)
-    add_options(parser, BenchConfig, only=("file_output_len", "ignore_eos", "temperature"))
-    add_options(parser, ArrivalConfig)
-    add_options(parser, BenchConfig, only=("max_concurrency", "seed", "num_warmups"))
-    add_options(parser, BenchConfig, only=("goodput", "label", "metadata"))
-    _add_output(group_titled(parser, OUTPUT_GROUP))
-    add_options(parser, BenchConfig, only=_SUMMARY)
-    _add_cpus(group_titled(parser, OUTPUT_GROUP))
-
-
-_SUMMARY = ("percentile_metrics", "metric_percentiles", "disable_tqdm")
-
-
-def _add_endpoint(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group(ENDPOINT_GROUP)
-    add_options(g, BenchConfig, only=("base_url",))
-    g.add_argument(
-        "--host", default="127.0.0.1", metavar="HOST", help="server host without --base-url"
-    )
-    g.add_argument(
-        "--port", type=int, default=8000, metavar="N", help="server port without --base-url"
-    )
-    g.add_argument(
-        "--backend",
-        choices=sorted(BACKENDS),
-        default=None,
-        help="API to speak, as vLLM names it: vllm and openai send completion bodies to "
-        f"{COMPLETIONS_ENDPOINT}, openai-chat sends chat bodies to {CHAT_ENDPOINT} "
-        "(default: what --endpoint implies)",
-    )
-    add_options(g, BenchConfig, only=("endpoint", "model", "api_key", "request_timeout_s"))
-
-
-def _add_output(g: argparse._ArgumentGroup) -> None:
-    g.add_argument(
-        "--save-result",
-        nargs="?",
-        const="",
-        default=None,
-        metavar="FILE",
-        help="save the result JSON, to FILE or (without FILE) to --result-filename",
-    )
-    g.add_argument(
-        "--result-dir",
-        type=Path,
-        default=None,
-        metavar="DIR",
-        help="folder of the saved result (implies --save-result)",
-    )
-    g.add_argument(
-        "--result-filename",
-        default=None,
-        metavar="NAME",
-        help="file name of the saved result (implies --save-result; default "
-        "{label or backend}-{rate}qps[-concurrency{N}]-{model}-{date}.json)",
-    )
-
-
-def _add_cpus(g: argparse._ArgumentGroup) -> None:
-    g.add_argument(
-        "--cpus",
-        type=parse_cpu_list,
-        default=None,
-        metavar="LIST",
-        help="run this client on these CPUs, e.g. 0 or 0-1 or 0,2 (default: anywhere). On a "
-        "small machine keep it off the decode instances' cores (pdserve up puts the router "
-        "on the prefill instances' cores): a client the scheduler moves onto D's core "
-        "delays D's steps and inflates the TPOT it measures",
-    )
-
-
 def parse_cpu_list(text: str) -> frozenset[int]:
     """CPUs from `0`, `0-3`, `0,2` or a mix (as `taskset -c` takes them)."""
     bad = argparse.ArgumentTypeError(f"not a CPU list: {text!r} (e.g. 0 or 0-1 or 0,2)")
@@ -607,33 +525,113 @@ def parse_cpu_list(text: str) -> frozenset[int]:
     return frozenset(cpus)
 
 
-def _endpoint(args: argparse.Namespace) -> str:
-    if args.endpoint is None:
-        return BACKENDS[args.backend or "openai"]
-    if args.backend is not None and is_chat_endpoint(args.endpoint) != (
-        args.backend == "openai-chat"
-    ):
-        raise ValueError(f"--backend {args.backend} does not speak --endpoint {args.endpoint}")
-    return args.endpoint
+@dataclass(frozen=True)
+class ServerAddress:
+    """The server as `vllm bench serve` names it without `--base-url` and `--endpoint`:
+    `config_from_args` folds these into `BenchConfig.base_url` and `endpoint`."""
+
+    host: str = option("127.0.0.1", metavar="HOST", help="server host without --base-url")
+    port: int = option(8000, metavar="N", help="server port without --base-url")
+    backend: str | None = option(
+        None,
+        choices=tuple(sorted(BACKENDS)),
+        help="API to speak, as vLLM names it: vllm and openai send completion bodies to "
+        f"{COMPLETIONS_ENDPOINT}, openai-chat sends chat bodies to {CHAT_ENDPOINT} "
+        "(default: what --endpoint implies)",
+    )
+
+    def endpoint(self, given: str | None) -> str:
+        """The endpoint: `given` (`--endpoint`), else the backend's; ValueError if the two
+        disagree on the API."""
+        if given is None:
+            return BACKENDS[self.backend or "openai"]
+        if self.backend is not None and is_chat_endpoint(given) != (self.backend == "openai-chat"):
+            raise ValueError(f"--backend {self.backend} does not speak --endpoint {given}")
+        return given
+
+
+@dataclass(frozen=True)
+class ResultOutput:
+    """Where `pdserve bench serve` saves its result JSON (nowhere unless asked)."""
+
+    save_result: str | None = option(
+        None,
+        nargs="?",
+        const="",
+        metavar="FILE",
+        help="save the result JSON, to FILE or (without FILE) to --result-filename",
+    )
+    result_dir: Path | None = option(
+        None, metavar="DIR", help="folder of the saved result (implies --save-result)"
+    )
+    result_filename: str | None = option(
+        None,
+        metavar="NAME",
+        help="file name of the saved result (implies --save-result; default "
+        "{label or backend}-{rate}qps[-concurrency{N}]-{model}-{date}.json)",
+    )
+
+    def __post_init__(self) -> None:
+        if self.save_result and self.result_filename:
+            raise ValueError("give the file name once: --save-result FILE or --result-filename")
+
+
+@dataclass(frozen=True)
+class BenchProcess:
+    """Where the `pdserve bench serve` client itself runs."""
+
+    cpus: frozenset[int] | None = option(
+        None,
+        parse=parse_cpu_list,
+        metavar="LIST",
+        help="run this client on these CPUs, e.g. 0 or 0-1 or 0,2 (default: anywhere). On a "
+        "small machine keep it off the decode instances' cores (pdserve up puts the router "
+        "on the prefill instances' cores): a client the scheduler moves onto D's core "
+        "delays D's steps and inflates the TPOT it measures",
+    )
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of `pdserve bench serve`: `vllm bench serve`'s names for the same things, and
+    pdserve's older spellings (--input-len, --trace, ...) as aliases. Most are declared on
+    the configs they set (BenchConfig, RandomDatasetConfig, MultiTurnConfig, ArrivalConfig);
+    the others only shape the command line: where the server is and which API it speaks
+    (ServerAddress), where the result goes (ResultOutput) and which CPUs the client runs
+    on (BenchProcess)."""
+    g = parser.add_argument_group(ENDPOINT_GROUP)
+    add_options(g, BenchConfig, only=("base_url",))
+    add_options(g, ServerAddress)
+    add_options(g, BenchConfig, only=("endpoint", "model", "api_key", "request_timeout_s"))
+    add_options(parser, BenchConfig, only=("tokenize_url",))
+    add_options(parser, BenchConfig, only=("dataset_name",))
+    add_options(parser, MultiTurnConfig)
+    add_options(parser, BenchConfig, only=("trace_path", "use_trace_timing", "num_prompts"))
+    add_options(parser, RandomDatasetConfig)
+    add_options(parser, BenchConfig, only=("file_output_len", "ignore_eos", "temperature"))
+    add_options(parser, ArrivalConfig)
+    add_options(parser, BenchConfig, only=("max_concurrency", "seed", "num_warmups"))
+    add_options(parser, BenchConfig, only=("goodput", "label", "metadata"))
+    add_options(group_titled(parser, OUTPUT_GROUP), ResultOutput)
+    add_options(parser, BenchConfig, only=_SUMMARY)
+    add_options(group_titled(parser, OUTPUT_GROUP), BenchProcess)
+
+
+_SUMMARY = ("percentile_metrics", "metric_percentiles", "disable_tqdm")
 
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
     """BenchConfig from parsed flags; ValueError for an invalid combination."""
+    address = from_args(ServerAddress, args)
     return from_args(
         BenchConfig,
         args,
-        base_url=args.base_url or f"http://{args.host}:{args.port}",
-        endpoint=_endpoint(args),
+        base_url=args.base_url or f"http://{address.host}:{address.port}",
+        endpoint=address.endpoint(args.endpoint),
         random=from_args(RandomDatasetConfig, args),
         multiturn=from_args(MultiTurnConfig, args),
         arrivals=from_args(ArrivalConfig, args),
         goodput=tuple(parse_goodput(args.goodput).items()),
     )
-
-
-def _check_save_flags(args: argparse.Namespace) -> None:
-    if args.save_result and args.result_filename:
-        raise ValueError("give the file name once: --save-result FILE or --result-filename")
 
 
 def default_result_filename(result: BenchResult) -> str:
@@ -646,35 +644,41 @@ def default_result_filename(result: BenchResult) -> str:
     return re.sub(r"[^A-Za-z0-9._-]", "-", name) + ".json"
 
 
-def result_path(args: argparse.Namespace, result: BenchResult) -> Path | None:
+def result_path(output: ResultOutput, result: BenchResult) -> Path | None:
     """Where to save the result (None: not asked): --save-result FILE, else --result-filename,
     else the default name; under --result-dir when given."""
-    if args.save_result is None and args.result_dir is None and args.result_filename is None:
+    if output.save_result is None and output.result_dir is None and output.result_filename is None:
         return None
-    name = args.save_result or args.result_filename or default_result_filename(result)
-    return (args.result_dir or Path()) / name
+    name = output.save_result or output.result_filename or default_result_filename(result)
+    return (output.result_dir or Path()) / name
 
 
 def main(args: argparse.Namespace) -> int:
     """Run, print the summary, save the JSON if asked. 1 if nothing completed, 2 for flags
     that do not go together."""
-    from pdserve.bench.report import format_run  # matplotlib stays out of the import path
-
     try:
-        _check_save_flags(args)
+        output = from_args(ResultOutput, args)
         cfg = config_from_args(args)
     except ValueError as exc:
         print(f"pdserve bench serve: error: {exc}", file=sys.stderr)
         return 2
+    return run(cfg, output, from_args(BenchProcess, args))
+
+
+def run(cfg: BenchConfig, output: ResultOutput, process: BenchProcess) -> int:
+    """Run the benchmark on `process`'s CPUs, print the summary, save the JSON where
+    `output` says. 1 if nothing completed."""
+    from pdserve.bench.report import format_run  # matplotlib stays out of the import path
+
     try:
-        if args.cpus is not None:  # before any thread starts, so every thread inherits it
-            os.sched_setaffinity(0, args.cpus)
+        if process.cpus is not None:  # before any thread starts, so every thread inherits it
+            os.sched_setaffinity(0, process.cpus)
         result = asyncio.run(run_benchmark(cfg))
     except (EndpointError, TraceError, ValueError, OSError) as exc:
         print(f"pdserve bench serve: {exc}", file=sys.stderr)
         return 1
     print(format_run(result))
-    if (path := result_path(args, result)) is not None:
+    if (path := result_path(output, result)) is not None:
         save_result(result, path)
         print(f"saved {path}")
     return 0 if result.completed else 1
