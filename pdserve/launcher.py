@@ -765,16 +765,20 @@ class UpProcess:
     )
 
 
+@dataclass(frozen=True)
+class ClusterMode:
+    """`--monolithic`, the alternative to `--kv-transfer` (one of the two is required):
+    `config_from_args` makes it `ClusterConfig.kv_transfer` None."""
+
+    monolithic: bool = option(False, help="one --role both instance and no router (the baseline)")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Flags of `pdserve up` (declared on `ClusterConfig`, `UpProcess` and `RestartPolicy`);
-    everything after `--` goes to every instance."""
+    """Flags of `pdserve up` (declared on `ClusterConfig`, `ClusterMode`, `UpProcess` and
+    `RestartPolicy`); everything after `--` goes to every instance."""
     mode = parser.add_mutually_exclusive_group(required=True)
     add_options(mode, ClusterConfig, only=("kv_transfer",))
-    mode.add_argument(
-        "--monolithic",
-        action="store_true",
-        help="one --role both instance and no router (the baseline)",
-    )
+    add_options(mode, ClusterMode)
     add_options(parser, ClusterConfig, only=_CLUSTER_FLAGS)
     add_options(parser, UpProcess)
     add_options(parser, ClusterConfig, only=("pin_cores", "cores", "startup_timeout_s"))
@@ -788,6 +792,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "instance or (--monolithic) the instance it stops, with exit status 1.",
     )
     add_options(parser, RestartPolicy)
+    # A positional (options.py declares flags only): handed to `from_args` as computed.
     parser.add_argument(
         "instance_args", nargs=argparse.REMAINDER, help="-- then extra arguments for every instance"
     )
@@ -827,7 +832,7 @@ def config_from_args(args: argparse.Namespace) -> ClusterConfig:
     return from_args(
         ClusterConfig,
         args,
-        kv_transfer=None if args.monolithic else args.kv_transfer,
+        kv_transfer=None if from_args(ClusterMode, args).monolithic else args.kv_transfer,
         api_key=args.api_key or None,
         cluster_token=args.cluster_token or None,
         instance_args=tuple(extra),

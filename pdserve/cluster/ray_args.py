@@ -8,12 +8,22 @@ works without Ray installed. The flags are declared on the configs they set.
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 
 from pdserve.cluster.ray_cluster import RayClusterConfig
 from pdserve.cluster.ray_local import RAY_GROUP, RayConnection
 from pdserve.launcher import config_from_args
-from pdserve.options import add_options, from_args
+from pdserve.options import add_options, from_args, option
 from pdserve.planner.config import PLANNER_GROUP, PlannerConfig
+
+
+@dataclass(frozen=True)
+class UpOnRay:
+    """Whether `pdserve up` runs on Ray, and with the planner (`pdserve.cluster.up` chooses
+    by them)."""
+
+    ray: bool = option(False, help="start the cluster on Ray")
+    planner: bool = option(False, help="turn the planner on")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -24,7 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "docs/multi-host.md). Ray places them, restarts a crashed one and takes a leaving "
         "node's with it; the router learns every change.",
     )
-    group.add_argument("--ray", action="store_true", help="start the cluster on Ray")
+    add_options(group, UpOnRay, only=("ray",))
     add_options(parser, RayConnection)
     add_options(parser, RayClusterConfig)
     group = parser.add_argument_group(
@@ -33,8 +43,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "from measured TTFT and TPOT against targets and the instances' queues and KV use "
         "(docs/multi-host.md, 'Planner').",
     )
-    group.add_argument("--planner", action="store_true", help="turn the planner on")
+    add_options(group, UpOnRay, only=("planner",))
     add_options(parser, PlannerConfig)
+
+
+def up_on_ray(args: argparse.Namespace) -> UpOnRay:
+    """Whether parsed `pdserve up` flags ask for Ray and the planner."""
+    return from_args(UpOnRay, args)
 
 
 def ray_config_from_args(args: argparse.Namespace) -> RayClusterConfig:

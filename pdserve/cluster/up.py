@@ -22,11 +22,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     """Run `pdserve up` on one host, or on Ray with `--ray`."""
-    if args.ray:
+    on = ray_args.up_on_ray(args)
+    if on.ray:
         from pdserve.cluster.ray_up import main as ray_main  # imports Ray only when asked
 
         return ray_main(args)
-    if args.planner or args.ray_address:
+    if on.planner or args.ray_address:
         print("pdserve up: --planner and --ray-address need --ray", file=sys.stderr)
         return 2
     return local_up.main(args)
