@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import ast
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -129,3 +130,53 @@ def test_an_optional_value_flag_takes_its_const_when_given_alone() -> None:
     assert from_args(Saving, parser.parse_args(["--save"])) == Saving(save="")
     assert from_args(Saving, parser.parse_args(["--save", "f.json"])) == Saving(save="f.json")
     assert "--save [FILE]" in parser.format_help()
+
+
+# -- every command declares its flags through options -------------------------------------
+
+PACKAGE = Path(__file__).resolve().parents[1] / "pdserve"
+
+# Modules that may call `add_argument` with a flag, and why.
+RAW_FLAG_MODULES = {
+    "cli.py": "the subcommands' wiring and --version, no config's",
+    "options.py": "the mechanism: it adds every declared option",
+    "server/vllm_forms.py": "vLLM's spellings translated into pdserve's flags",
+}
+# Single flags elsewhere that are no config's setting, and why.
+RAW_FLAGS = {
+    ("server/serve_args.py", "--config"): "a file of flags, read by cli.py before parsing",
+}
+
+
+def _raw_flags(path: Path) -> list[str]:
+    """The flags `path` adds with `add_argument` itself (positionals are allowed anywhere:
+    options.py declares flags only); a name that is not a literal counts as a flag."""
+    flags = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+            continue
+        if node.func.attr != "add_argument":
+            continue
+        first = node.args[0] if node.args else None
+        name = first.value if isinstance(first, ast.Constant) else None
+        if not isinstance(name, str) or name.startswith("-"):
+            flags.append(name if isinstance(name, str) else "<not a literal>")
+    return flags
+
+
+def test_commands_declare_their_flags_on_configs_only() -> None:
+    offenders = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        module = path.relative_to(PACKAGE).as_posix()
+        if module in RAW_FLAG_MODULES:
+            continue
+        offenders += [
+            f"{module}: {flag}" for flag in _raw_flags(path) if (module, flag) not in RAW_FLAGS
+        ]
+    assert not offenders, "declare these with option(...) and add_options:\n" + "\n".join(offenders)
+
+
+def test_the_flag_scan_sees_raw_flags_and_lets_positionals_pass() -> None:
+    assert _raw_flags(PACKAGE / "server" / "vllm_forms.py")  # an allowed module's raw flags
+    assert _raw_flags(PACKAGE / "server" / "serve_args.py") == ["--config"]
+    assert _raw_flags(PACKAGE / "router" / "scrape_targets.py") == []  # its positional only
