@@ -56,3 +56,14 @@ def test_capacity_child_flags_are_those_the_parent_passes() -> None:
     argv = ["--model", "m", "--threads", "2", "--repeats", "1", "--input-len", "64", "128"]
     run = from_args(capacity.CapacityRun, _parse(add, argv))
     assert run == capacity.CapacityRun(model="m", input_len=(64, 128), threads=2, repeats=1)
+
+
+def test_up_mode_and_ray_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    from pdserve.cli import main, parse_args
+
+    assert main(["up", "--kv-transfer", "push", "--planner"]) == 2  # before starting anything
+    assert "--planner and --ray-address need --ray" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # --monolithic and --kv-transfer exclude each other
+        parse_args(["up", "--monolithic", "--kv-transfer", "push"])
+    args = parse_args(["up", "--monolithic", "--ray"])
+    assert (args.monolithic, args.ray, args.planner) == (True, True, False)
