@@ -67,3 +67,23 @@ def test_up_mode_and_ray_flags(capsys: pytest.CaptureFixture[str]) -> None:
         parse_args(["up", "--monolithic", "--kv-transfer", "push"])
     args = parse_args(["up", "--monolithic", "--ray"])
     assert (args.monolithic, args.ray, args.planner) == (True, True, False)
+
+
+def test_demo_flags_shape_its_sweep(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from pdserve import demo
+
+    seen = []
+
+    def fake(cfg, command, progress):  # records the sweep instead of running it
+        seen.append((cfg, command))
+        raise SystemExit(0)
+
+    monkeypatch.setattr(demo, "sweep_and_report", fake)
+    with pytest.raises(SystemExit):
+        demo.main(["--out-dir", str(tmp_path), "--monolithic"])
+    cfg, command = seen[0]
+    assert cfg.out_dir == tmp_path and cfg.modes == ("pull", "push", "monolithic")
+    assert command.endswith(f"--out-dir {tmp_path} --monolithic")
+    with pytest.raises(SystemExit):
+        demo.main([])
+    assert seen[1][0].out_dir == demo.DEMO_DIR and seen[1][0].modes == ("pull", "push")
