@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from pdserve.http_client import Client
 from pdserve.launcher import Cluster, ManagedProcess, is_healthy
 from pdserve.restarts import GiveUp, Restart, RestartBudget, RestartPolicy, Verdict
+from pdserve.threads import Thread
 
 
 class ChildState(enum.Enum):
@@ -237,7 +238,7 @@ class Supervisor:
         """`run` on a thread for the duration of the block (stopped and joined at its end,
         before the caller stops the cluster)."""
         stop = threading.Event()
-        thread = threading.Thread(target=self.run, args=(stop, poll_s), name="supervisor")
+        thread = Thread(target=self.run, args=(stop, poll_s), name="supervisor")
         thread.start()
         try:
             yield self

@@ -29,6 +29,7 @@ from pdserve.http_client import Client, HttpError
 from pdserve.launcher import TOKEN_ENV
 from pdserve.ports import bind_socket, free_ports
 from pdserve.router.membership import Membership
+from pdserve.threads import Thread
 
 log = logging.getLogger(__name__)
 
@@ -88,9 +89,9 @@ class InstanceHost:
         port, side_port = free_ports(2, host)
         args = _serve_args(spec.serve_argv(host, port, side_port))
         self.url = f"http://{host}:{port}"
-        server = threading.Thread(target=serve_main, args=(args, spec.faults), name="pdserve-serve")
+        server = Thread(target=serve_main, args=(args, spec.faults), name="pdserve-serve")
         server.start()
-        threading.Thread(target=_exit_after, args=(server,), daemon=True).start()
+        Thread(target=_exit_after, args=(server,), daemon=True).start()
         _wait_serving(self.url, server, spec.startup_timeout_s)
         ctx = ray.get_runtime_context()
         record = InstanceRecord(
@@ -180,13 +181,13 @@ class RouterHost:
         sock = bind_socket(config.host, config.port)
         sock.listen(LISTEN_BACKLOG)
         self.url = f"http://{config.host}:{config.port}"
-        server = threading.Thread(
+        server = Thread(
             target=_serve_router,
             args=(config, sock, spec.log_level, RegistrySource(registry)),
             name="pdserve-router",
         )
         server.start()
-        threading.Thread(target=_exit_after, args=(server,), daemon=True).start()
+        Thread(target=_exit_after, args=(server,), daemon=True).start()
         _wait_serving(self.url, server, 60.0)
         self.pid = os.getpid()
 

@@ -39,6 +39,7 @@ from pdserve.engine.types import (
     LiveRequest,
     RequestOutput,
 )
+from pdserve.threads import Thread
 from pdserve.tracelog import hop
 from pdserve.transfer.params import KVTransferParams
 from pdserve.transfer.release import ReleaseAuth, check_release
@@ -68,7 +69,7 @@ class AsyncEngine:
         self._inbox: queue.SimpleQueue[Command | _Wake] = queue.SimpleQueue()
         self._sinks = Sinks()
         loop = EngineLoop(engine, self)
-        self._thread = threading.Thread(target=loop.run, name="pdserve-engine", daemon=True)
+        self._thread = Thread(target=loop.run, name="pdserve-engine", daemon=True)
         self._stopping = threading.Event()
         self.error: BaseException | None = None
 

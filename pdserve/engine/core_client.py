@@ -42,6 +42,7 @@ from pdserve.engine.types import (
     RequestOutput,
 )
 from pdserve.model.tokenizer import Tokenizer
+from pdserve.threads import Thread
 from pdserve.transfer.params import KVTransferParams, check_pull_params
 from pdserve.transfer.release import ReleaseAuth, check_release
 from pdserve.transfer.stats import ConnectorMetrics
@@ -97,7 +98,7 @@ class EngineCoreClient:
         self._proc: subprocess.Popen[bytes] | None = None
         self._snapshot: Snapshot | None = None
         self._in_use: frozenset[str] = frozenset()
-        self._reader = threading.Thread(target=self._read, name="pdserve-core-reader", daemon=True)
+        self._reader = Thread(target=self._read, name="pdserve-core-reader", daemon=True)
         self._stopped = threading.Event()
         self.error: BaseException | None = None
         self.info: EngineInfo
@@ -120,7 +121,7 @@ class EngineCoreClient:
         self.tokenizer = Tokenizer.from_dir(ready.info.model_path)
         self._take_snapshot(ready.snapshot)
         self._reader.start()
-        threading.Thread(target=self._watch, name="pdserve-core-watch", daemon=True).start()
+        Thread(target=self._watch, name="pdserve-core-watch", daemon=True).start()
 
     def _wait_ready(self) -> Ready:
         assert self._proc is not None

@@ -113,6 +113,7 @@ import msgspec
 
 from pdserve.config import ConnectorConfig
 from pdserve.logsafe import Throttled, shown
+from pdserve.threads import Thread
 from pdserve.token_logprob import TokenLogprob
 from pdserve.transfer import messages as m
 from pdserve.transfer.adapter import (
@@ -248,9 +249,7 @@ class KVConnector:
             cfg.cluster_token,
             advertise_host=cfg.side_advertise_host,
         )
-        self._heartbeat = threading.Thread(
-            target=self._heartbeat_loop, name="pdserve-heartbeat", daemon=True
-        )
+        self._heartbeat = Thread(target=self._heartbeat_loop, name="pdserve-heartbeat", daemon=True)
         self._heartbeat.start()
 
     # -- scheduler side (pdserve.transfer.adapter.TransferCore) -----------------------------

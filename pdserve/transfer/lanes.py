@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
+from pdserve.threads import Thread
 from pdserve.transfer.side_channel import Address
 
 J = TypeVar("J")
@@ -60,7 +61,7 @@ class Lanes(Generic[J]):
                 if self._closed or len(self._lanes) >= self.max_lanes:
                     return False
                 lane = self._lanes[address] = _Lane()
-                lane.thread = threading.Thread(
+                lane.thread = Thread(
                     target=self._loop,
                     args=(address, lane),
                     name=f"{self._name}-{address[0]}:{address[1]}",

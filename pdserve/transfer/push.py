@@ -68,6 +68,7 @@ from dataclasses import dataclass
 import msgspec
 
 from pdserve.logsafe import shown
+from pdserve.threads import Thread
 from pdserve.token_logprob import TokenLogprob
 from pdserve.tracelog import hop
 from pdserve.transfer import messages as m
@@ -233,8 +234,7 @@ class PushConnector(KVConnector):
         if self.cfg.role != "prefill":  # D receives P's completion notifications
             loops.append((self._notif_loop, "notif"))
         self._threads = [
-            threading.Thread(target=loop, name=f"pdserve-push-{name}", daemon=True)
-            for loop, name in loops
+            Thread(target=loop, name=f"pdserve-push-{name}", daemon=True) for loop, name in loops
         ]
         for t in self._threads:
             t.start()

@@ -41,6 +41,7 @@ import msgspec
 import zmq
 
 from pdserve.logsafe import Throttled, shown
+from pdserve.threads import Thread
 from pdserve.transfer import messages as m
 
 log = logging.getLogger(__name__)
@@ -151,7 +152,7 @@ class SideChannel:
         self.num_rejected = 0
         self._drops = Throttled(log)  # 20,000 bad frames must not write 20,000 lines
         self._send_drops = Throttled(log)
-        self._thread = threading.Thread(target=self._recv_loop, name="pdserve-side", daemon=True)
+        self._thread = Thread(target=self._recv_loop, name="pdserve-side", daemon=True)
         self._thread.start()
 
     def _bind(self, host: str, port: int) -> int:

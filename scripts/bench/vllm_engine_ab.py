@@ -346,6 +346,9 @@ def run_cluster(name: str, a: argparse.Namespace, r: int, first: str) -> None:
         warm_up(up.url, str(a.model))
         info["ready_s"] = time.monotonic() - t0
         print(f"{time.strftime('%T')} r{r} {name} ready in {info['ready_s']:.0f} s", flush=True)
+        # vLLM's worker busy-polls its shared-memory queue for 1 s after each read
+        # (SpinCondition.busy_loop_s): that second is vLLM's by design, not idle cost.
+        time.sleep(a.idle_settle_s)
         info["idle_cpu"], info["idle_threads"] = idle_cpu(pids, a.idle_s)
         save_info.write_text(json.dumps(info))
         saturated: list[tuple[str, str]] = []  # (point, rate) that ran out of time
@@ -486,6 +489,13 @@ def main() -> None:
     )
     ap.add_argument("--max-model-len", type=int, default=9000)
     ap.add_argument("--idle-s", type=float, default=10.0, help="idle CPU measured this long")
+    ap.add_argument(
+        "--idle-settle-s",
+        type=float,
+        default=3.0,
+        help="wait this long after the warm-up before measuring idle CPU (vLLM's worker "
+        "busy-polls its queue for 1 s after each step)",
+    )
     ap.add_argument("--startup-timeout", type=float, default=900.0)
     ap.add_argument(
         "--point-timeout", type=float, default=240.0, help="a point's wall-time limit (s)"

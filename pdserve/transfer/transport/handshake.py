@@ -27,6 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from pdserve.logsafe import Throttled, shown
+from pdserve.threads import Thread
 from pdserve.transfer.transport import auth
 from pdserve.transfer.transport.base import (
     PROTOCOL_VERSION,
@@ -279,7 +280,7 @@ class Listener:
         self.accept_errors = 0
         self._refusals = Throttled(log)  # a flood of bad clients writes a line per interval
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name=f"{name}-listen", daemon=True)
+        self._thread = Thread(target=self._loop, name=f"{name}-listen", daemon=True)
         self._thread.start()
 
     @property
@@ -332,9 +333,7 @@ class Listener:
             return
         try:
             configure(conn)
-            threading.Thread(
-                target=self._serve, args=(conn,), name=f"{self._name}-conn", daemon=True
-            ).start()
+            Thread(target=self._serve, args=(conn,), name=f"{self._name}-conn", daemon=True).start()
         except BaseException:  # e.g. no thread could be started: give the slot back
             self._slots.release()
             conn.close()

@@ -40,6 +40,7 @@ import msgspec
 import numpy as np
 
 from pdserve.config import TransportConfig
+from pdserve.threads import Thread
 from pdserve.transfer.transport.base import (
     BackendUnavailableError,
     DescriptorError,
@@ -119,7 +120,7 @@ class NixlTransport:
             tcp_server(config.host, config.port), self._on_accept, f"nixl-{engine_id}"
         )
         self._stop = threading.Event()
-        self._progress = threading.Thread(
+        self._progress = Thread(
             target=self._background, name=f"nixl-progress-{engine_id}", daemon=True
         )
         self._progress.start()
@@ -257,7 +258,7 @@ class NixlTransport:
 
     def _watch(self, peer: NixlPeer) -> None:
         """Notice the peer's death: the side connection reaches EOF when its process exits."""
-        threading.Thread(
+        Thread(
             target=self._monitor, args=(peer,), name=f"nixl-watch-{peer.card.peer_id}", daemon=True
         ).start()
 

@@ -26,6 +26,7 @@ import time
 from collections import deque
 from typing import Protocol
 
+from pdserve.threads import Thread
 from pdserve.tracelog import hop
 from pdserve.transfer.transport.base import (
     DescriptorError,
@@ -83,12 +84,8 @@ class TcpLink:
         self._pending: dict[int, Xfer] = {}
         self._last_progress = time.monotonic()
         self._reason: str | None = None  # set once the link is going down
-        self._sender = threading.Thread(
-            target=self._send_loop, name=f"tcp-send-{self.peer}", daemon=True
-        )
-        self._receiver = threading.Thread(
-            target=self._recv_loop, name=f"tcp-recv-{self.peer}", daemon=True
-        )
+        self._sender = Thread(target=self._send_loop, name=f"tcp-send-{self.peer}", daemon=True)
+        self._receiver = Thread(target=self._recv_loop, name=f"tcp-recv-{self.peer}", daemon=True)
 
     def start(self) -> None:
         self._sender.start()
