@@ -26,6 +26,7 @@ import pytest
 from pdserve.launcher import Cluster, ClusterConfig
 from pdserve.ports import free_port
 from pdserve.vllm.instance import VllmNotFound, find_vllm_python
+from tests.vllm.harness import write_checkpoint
 
 try:
     VLLM_PYTHON: str | None = find_vllm_python(None)
@@ -49,33 +50,9 @@ PUSH_PROMPTS = [[(11 * i + 5) % 250 + 3 for i in range(n)] for n in PUSH_LENGTHS
 MAX_TOKENS = 12
 
 
-def _make_checkpoint(out: Path) -> Path:
-    """A small random Qwen3 whose weights are scaled up so that greedy output depends on the
-    prompt (at the default scale every prompt decodes the same token)."""
-    from safetensors.torch import load_file, save_file
-
-    from pdserve.bench.make_checkpoint import CheckpointShape, write_checkpoint
-
-    shape = CheckpointShape(
-        layers=2,
-        hidden=256,
-        intermediate=512,
-        heads=4,
-        kv_heads=2,
-        head_dim=64,
-        max_positions=4096,
-        dtype="float32",
-    )
-    write_checkpoint(shape, out)
-    weights = load_file(out / "model.safetensors")
-    scaled = {k: (v * 6 if v.dim() == 2 else v).contiguous() for k, v in weights.items()}
-    save_file(scaled, out / "model.safetensors", metadata={"format": "pt"})
-    return out
-
-
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return _make_checkpoint(tmp_path_factory.mktemp("vllm-engine") / "ckpt")
+    return write_checkpoint(tmp_path_factory.mktemp("vllm-engine") / "ckpt")
 
 
 def _greedy(url: str, model: str, prompt: list[int]) -> list[int]:
