@@ -179,6 +179,59 @@ def test_layerwise_push_writes_each_layer_as_vllm_saves_it(pair) -> None:
     assert core.writer_stats.layerwise == 1  # one stream, not one whole-request write
 
 
+def _stream_all_layers(p: Worker, d: Worker, src: list[int], dst: list[int]) -> None:
+    """D registers; then P runs the step that completes the prompt, saving every layer."""
+    core = p.side._cores["push"]
+    d.step(recvs=[recv(p, "push", dst, src, remote_incarnation="", remote_request_id="t1")])
+    deadline = time.monotonic() + 10
+    while "t1" not in core._registered:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    p.step(admitted=[PrefillSpec(request_id="p-req", transfer_id="t1", mode="push")])
+    specs = StepSpecs(
+        layerwise=[LayerSpec(request_id="p-req", transfer_id="t1", block_ids=src, num_tokens=8)]
+    )
+    for name in sorted(p.kv):
+        p.side.save_layer(name, specs)
+    p.side.step(specs)
+    p.side.end_step()
+
+
+def test_layerwise_push_tells_d_after_the_last_layer_not_after_the_send(pair) -> None:
+    """vLLM's D computes the prompt's last token again, so P tells it the KV is complete as
+    soon as the last layer's write is done: D's request is ready before P's worker gets the
+    request's SendSpec (a step or two later, under load after the next prompt's forward
+    pass). The SendSpec then only gives the blocks back."""
+    p, d = pair
+    src, dst = [3, 4], [5, 6]
+    core = p.side._cores["push"]
+    _stream_all_layers(p, d, src, dst)
+    assert d.wait("finished_recving", "d-req", timeout_s=10).failed_recving == set()
+    assert same_blocks(p, d, src, dst)
+    p.collect()
+    assert "p-req" not in p.got.finished_sending  # still the request's: no SendSpec yet
+    p.step(sends=[send("push", src, tid="t1")])
+    p.wait("finished_sending", "p-req", timeout_s=5)
+    assert not core.holds
+    assert core.writer_stats.layerwise == 1 and core.stats.failures == 0
+
+
+def test_prefill_aborted_after_d_was_told_gives_blocks_back_at_once(pair) -> None:
+    """The stream ended with PushDone after the last layer, then vLLM aborted P's request
+    (it lends the blocks: layer writes might have read them): nothing reads them any more,
+    so they go back at once, and D keeps the KV it got."""
+    p, d = pair
+    src, dst = [3, 4], [5, 6]
+    core = p.side._cores["push"]
+    _stream_all_layers(p, d, src, dst)
+    assert d.wait("finished_recving", "d-req", timeout_s=10).failed_recving == set()
+    aborted = PrefillSpec(request_id="p-req", transfer_id="t1", mode="push", block_ids=src)
+    p.step(finished={"p-req"}, aborted=[aborted])
+    p.wait("finished_sending", "p-req", timeout_s=5)
+    assert not core.holds
+    assert same_blocks(p, d, src, dst)
+
+
 def _stall_writes(core) -> threading.Event:
     """Keep every write `core` posts pending until the returned event is set (the writer
     polls it as pending; the completion watcher waits for the event before the transport)."""

@@ -9,10 +9,13 @@ here. Two engines implement it: pdserve's (pdserve.engine.transfer_adapter) and 
 Engine -> core (`TransferCore`, engine thread unless said otherwise):
   P  `prefill_admitted(req)`   a prompt whose KV goes to a decode instance entered the
                                engine (no blocks yet).
-  P  `layer_hook(reqs)`        a step will complete these prompts (`num_tokens`: the whole
+  P  `layer_hook(reqs, last)`  a step will complete these prompts (`num_tokens`: the whole
                                prompt): a per-layer callback (layer-wise push) or None. The
                                engine calls it with each layer's index (its `KVRegions`
-                               order) once the step has written that layer.
+                               order) once the step has written that layer. `last` (an
+                               engine that passes no first token, vLLM): D may be told the
+                               KV is complete once every layer is written, before
+                               `prefill_done`, which then only hands the blocks back.
   P  `prefill_done(req, tok)`  the prompt is computed and P sampled `tok`: the core takes
                                the request's blocks (`EngineSide.take_blocks`, owner
                                `Hold`) and returns the params for the router. `tok` is None
@@ -213,7 +216,9 @@ class TransferCore(Protocol):
 
     def prefill_admitted(self, req: RemoteRequest) -> None: ...
 
-    def layer_hook(self, reqs: list[RemoteRequest]) -> Callable[[int], None] | None: ...
+    def layer_hook(
+        self, reqs: list[RemoteRequest], done_after_last_layer: bool = False
+    ) -> Callable[[int], None] | None: ...
 
     def prefill_done(self, req: RemoteRequest, first_token: int | None) -> KVTransferParams: ...
 

@@ -289,8 +289,11 @@ class KVConnector:
         """D: raise InvalidKVTransferParams if a decode leg with `params` must not be
         admitted here (mode hook; pull verifies P's signature). Any thread; no side effect."""
 
-    def layer_hook(self, reqs: list[RemoteRequest]) -> Callable[[int], None] | None:
-        """P: a per-layer callback for a step that completes these prompts, or None."""
+    def layer_hook(
+        self, reqs: list[RemoteRequest], done_after_last_layer: bool = False
+    ) -> Callable[[int], None] | None:
+        """P: a per-layer callback for a step that completes these prompts, or None
+        (`done_after_last_layer`: see pdserve.transfer.push)."""
         return None
 
     def _prefill_failed(self, req: RemoteRequest, reason: str) -> None:

@@ -32,8 +32,11 @@ P (writer thread): pairs registrations and finished prompts by transfer id, in e
   layer as its forward pass ends; the writer posts it at once if D's registration is
   there, else keeps it until the registration comes (D's registration and P's step race
   when the router sends both legs at once), and sends PushDone as a notification once the
-  prompt is done and every layer's write is DONE. A prompt that ends before its
-  registration comes goes as one write, as above.
+  prompt is done and every layer's write is DONE. "Done" is `prefill_done`, or, for an
+  engine that passes no first token (vLLM), the hook's last layer
+  (`done_after_last_layer`): its `prefill_done` comes a step or two later and then only
+  frees the hold (`_WriterState.early_done`). A prompt that ends before its registration
+  comes goes as one write, as above.
 P (writer thread), the router's release (`release_transfer`, queued to the writer, which
   alone knows what is posted): a finished prompt not posted yet is freed at once; one
   still computing is marked and freed when it finishes; a transfer with a write in flight
@@ -158,6 +161,17 @@ class _LayerReady:
 
 
 @dataclass
+class _LayersDone:
+    """P engine thread -> writer: every layer of a prompt whose engine passes no first
+    token (`layer_hook(..., done_after_last_layer=True)`) was handed over."""
+
+    transfer_id: str
+    blocks: list[int]
+    num_tokens: int
+    done_time: float  # unix time
+
+
+@dataclass
 class _Stream:
     """Writer: a prompt whose layers are being written as they are computed."""
 
@@ -171,6 +185,10 @@ class _Stream:
     fin: _Finished | None = None
     aborted: bool = False
     held: bool = False  # its prompt failed and its blocks are held until this stream ends
+    # `fin` came from the last layer (`_LayersDone`), not from `prefill_done`: no hold is
+    # behind it yet; the one `prefill_done` makes later is freed at once (`early_done`).
+    early: bool = False
+    owes_hold: bool = False  # `prefill_done`'s hold was paired with it: freed at its end
 
     def fail(self, error: str, why: Why) -> None:
         """Record the first failure (D is told once the layer writes in flight are done)."""
@@ -434,22 +452,39 @@ class PushConnector(KVConnector):
         if self.cfg.role != "decode":
             self._inbox.put(_RouterRelease(tid))
 
-    def layer_hook(self, reqs: list[RemoteRequest]) -> Callable[[int], None] | None:
+    def layer_hook(
+        self, reqs: list[RemoteRequest], done_after_last_layer: bool = False
+    ) -> Callable[[int], None] | None:
         """Stream these prompts one layer at a time (engine thread).
 
         Whether D's registration is already here does not matter: the router sends both legs
         at once, so for a prompt of one chunk D's registration usually reaches P a few ms
         after P has scheduled the whole prompt. The writer keeps the layers finished before
         the registration and posts them when it comes (`_WriterState.early`).
+
+        `done_after_last_layer`: the engine passes no first token to `prefill_done` (vLLM,
+        whose D computes the prompt's last token again). Then once the hook has seen every
+        layer, PushDone follows the layer writes at once, instead of waiting for
+        `prefill_done`, which such an engine may call a step or two later (vLLM: after the
+        next prompt's forward pass); that call then only hands the blocks back. Only when
+        D's registration came before the last layer; else the prompt goes whole after
+        `prefill_done`, as without layers.
         """
         if not self.cfg.push_layerwise or self.cfg.faults.finish_delay_s or not reqs:
             return None
         jobs = [(r.transfer_id, list(r.block_ids), r.num_tokens) for r in reqs]
         self._layered.update(tid for tid, _, _ in jobs)
+        seen: set[int] = set()
+        num_layers = self.kv.num_layers
 
         def on_layer_done(layer: int) -> None:
             for tid, blocks, n in jobs:
                 self._inbox.put(_LayerReady(tid, layer, blocks, n))
+            seen.add(layer)
+            if done_after_last_layer and len(seen) == num_layers:
+                done = time.time()
+                for tid, blocks, n in jobs:
+                    self._inbox.put(_LayersDone(tid, blocks, n, done))
 
         return on_layer_done
 
@@ -490,6 +525,10 @@ class PushConnector(KVConnector):
                 self._post_layer(w, layer)
         elif isinstance(item, _Finished):
             hop(item.transfer_id, "p.writer_fin")
+            if w.early_done.pop(item.transfer_id, None) is not None:
+                # D was told after the last layer: nothing reads these blocks any more.
+                self.report(ReleaseHold(item.transfer_id, "layer-wise write finished"))
+                return
             # Layers nobody registered for while the prompt ran: the whole prompt goes in
             # one write when the registration comes.
             w.early.pop(item.transfer_id, None)
@@ -497,6 +536,7 @@ class PushConnector(KVConnector):
             w.finished[item.transfer_id] = item
         elif isinstance(item, _PrefillFailed):
             w.early.pop(item.transfer_id, None)
+            w.early_done.pop(item.transfer_id, None)
             stream = w.streams.get(item.transfer_id)
             if stream is not None:  # D is told once the layer writes in flight are done
                 stream.fail(item.reason, Why.PREFILL_FAILED)
@@ -510,6 +550,20 @@ class PushConnector(KVConnector):
             self._writer_abort(w, item)
         elif isinstance(item, _LayerReady):
             self._post_layer(w, item)
+        elif isinstance(item, _LayersDone):
+            self._writer_layers_done(w, item, now)
+
+    def _writer_layers_done(self, w: _WriterState, item: _LayersDone, now: float) -> None:
+        """Every layer of a prompt is posted (`layer_hook`'s `done_after_last_layer`): its
+        stream ends, with PushDone, once those writes are DONE."""
+        hop(item.transfer_id, "p.layers_done")
+        st = w.streams.get(item.transfer_id)
+        if st is None or st.fin is not None:
+            return  # no registration yet: the prompt goes whole after `prefill_done`
+        st.fin = _Finished(
+            item.transfer_id, item.blocks, item.num_tokens, None, item.done_time, now
+        )
+        st.early = True
 
     def _writer_take_released(self, w: _WriterState, item: object) -> bool:
         """Handle `item` if it is the router's release or concerns a released transfer."""
@@ -549,7 +603,7 @@ class PushConnector(KVConnector):
         now = time.monotonic()
         for tid in [t for t in w.finished if t in w.streams]:
             st = w.streams[tid]
-            st.fin = w.finished.pop(tid)
+            st.fin, st.owes_hold = w.finished.pop(tid), True
             self._claim_hold(tid, st.reg)
         for tid in list(w.regs):
             reg, t_reg = w.regs[tid].reg, w.regs[tid].since
@@ -689,6 +743,8 @@ class PushConnector(KVConnector):
             del w.streams[tid]
             if st.fin is None:  # a prompt still to come is released as soon as it arrives
                 w.aborted[tid] = time.monotonic() + self.cfg.registration_ttl_s
+            elif st.early and not st.owes_hold:  # its hold comes later: freed at once
+                w.early_done[tid] = time.monotonic() + self.cfg.lease_s
             self._end_stream(st)
 
     def _end_stream(self, st: _Stream) -> None:
@@ -703,7 +759,7 @@ class PushConnector(KVConnector):
         finally:
             # After PushDone, which D waits for: the report wakes P's engine thread, which
             # would take the GIL from this thread before the notification is out.
-            if st.fin is not None or st.held:
+            if st.owes_hold or st.held:
                 self.report(ReleaseHold(tid, "layer-wise write finished"))
 
     def _notify_done(self, st: _Stream) -> None:
@@ -756,7 +812,7 @@ class PushConnector(KVConnector):
             w.streams[tid].aborted = True  # acknowledged when its layer writes are done
             fin = w.finished.pop(tid, None)
             if fin is not None:
-                w.streams[tid].fin = fin
+                w.streams[tid].fin, w.streams[tid].owes_hold = fin, True
             return
         w.regs.pop(tid, None)
         w.early.pop(tid, None)
@@ -779,6 +835,8 @@ class PushConnector(KVConnector):
         # A released transfer's mark outlives its prompt: a registration may still come.
         for tid in [t for t, dl in w.released.items() if dl < now and t not in self.prompts_alive]:
             del w.released[tid]
+        for tid in [t for t, dl in w.early_done.items() if dl < now]:
+            del w.early_done[tid]  # its prompt never reached `prefill_done` (vLLM freed it)
         for d in (w.failed, w.aborted):
             for tid in [t for t, v in d.items() if (v[1] if isinstance(v, tuple) else v) < now]:
                 del d[tid]
@@ -808,6 +866,7 @@ class PushConnector(KVConnector):
         due += [dl for t, dl in w.released.items() if t not in self.prompts_alive]
         due += [v[1] for v in w.failed.values()]
         due += list(w.aborted.values())
+        due += list(w.early_done.values())
         if not due:
             return None
         return max(min(due), now) + _DEADLINE_SLACK_S
@@ -904,6 +963,10 @@ class _WriterState:
         self.early: dict[str, list[_LayerReady]] = {}
         # Transfers the router released -> when the mark may go (once its prompt is gone).
         self.released: dict[str, float] = {}
+        # Streams that ended after their last layer, before `prefill_done` made their hold
+        # (`layer_hook`'s `done_after_last_layer`) -> when to forget them; the hold is freed
+        # as soon as it comes.
+        self.early_done: dict[str, float] = {}
 
 
 def _fits(reg: m.PushRegistration, blocks: list[int], num_tokens: int) -> bool:

@@ -268,6 +268,7 @@ class SchedulerSide:
             transfer_mode=mode,
             expires_at=expires_at,
             signature=signature,
+            prefill_done_time=time.time(),
         )
 
     def _release_unused(self, params: dict[str, Any] | None) -> None:

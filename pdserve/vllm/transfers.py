@@ -100,7 +100,10 @@ class VllmTransfers:
             return None
         for spec in specs:
             self._log_early("push", spec.transfer_id)
-        return core.layer_hook([_layer_view(s) for s in specs])
+        # D computes the last token again: it needs no token from P, so it is told the KV is
+        # complete right after the last layer's write, not after the step that hands the
+        # worker the request's SendSpec (under load, the next prompt's whole forward pass).
+        return core.layer_hook([_layer_view(s) for s in specs], done_after_last_layer=True)
 
     def _log_early(self, mode: Mode, tid: str) -> None:
         if self.cores[mode].decode_waiting(tid):
