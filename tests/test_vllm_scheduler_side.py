@@ -200,3 +200,18 @@ def msgspec_replace(spec: RecvSpec, **kw: object) -> RecvSpec:
     import msgspec
 
     return msgspec.structs.replace(spec, **kw)
+
+
+def test_prefill_leg_is_announced_when_it_enters_the_queue() -> None:
+    """vLLM considers a waiting request only once those ahead of it are scheduled: P tells
+    its worker of a P leg on arrival (on_new_request), so D's registration, which reaches P
+    at once, is not failed as unknown while the prompt waits in a long queue."""
+    s = side()
+    params = {"do_remote_decode": True, "transfer_id": "t9", "transfer_mode": "push"}
+    s.arrived("p9", params, 4096)
+    spec = PrefillSpec(request_id="p9", transfer_id="t9", mode="push")
+    assert s.take() == StepSpecs(admitted=[spec])
+    assert s.num_matched("p9", params, 4096, 0) == (0, False)  # considered later: not again
+    assert s.take() == StepSpecs()
+    s.arrived("d1", {"do_remote_prefill": True}, 10)  # not a P leg: nothing to announce
+    assert s.take() == StepSpecs()

@@ -40,12 +40,13 @@ if TYPE_CHECKING:
 
 
 def _log_like_vllm() -> None:
-    """Send pdserve's log records where vLLM's go (vLLM configures only its own logger)."""
+    """Send pdserve's log records where vLLM's go, at vLLM's level (vLLM configures only its
+    own logger, from VLLM_LOGGING_LEVEL: DEBUG turns on pdserve's handoff trace too)."""
     ours, theirs = logging.getLogger("pdserve"), logging.getLogger("vllm")
     if not ours.handlers:
         for handler in theirs.handlers:
             ours.addHandler(handler)
-        ours.setLevel(logging.INFO)
+        ours.setLevel(min(theirs.getEffectiveLevel(), logging.INFO))
         ours.propagate = False
 
 
@@ -146,6 +147,12 @@ class PdserveConnector(KVConnectorBase_V1):
         for meta in metadata.values():
             if isinstance(meta, PdserveHandshakeMetadata):
                 self._sched.worker = meta.card
+
+    def on_new_request(self, request: Request) -> None:
+        assert self._sched is not None
+        self._sched.arrived(
+            request.request_id, request.kv_transfer_params, request.num_prompt_tokens
+        )
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int

@@ -45,9 +45,6 @@ class RemoteParams(msgspec.Struct, frozen=True, kw_only=True):
     # (pdserve.transfer.params.sign over `core_params`), which D's core verifies.
     expires_at: float | None = None
     signature: str | None = None
-    # P's answer: when P's scheduler saw the prompt computed (unix time): the start of the
-    # handoff the router and the bench report (without it they take P's answer's arrival).
-    prefill_done_time: float | None = None
 
     def __post_init__(self) -> None:
         if not self.key:

@@ -11,8 +11,9 @@ allocated them (`after_alloc`) a `RecvSpec` goes to the worker. vLLM keeps those
 and the request waiting, until the worker reports the request in finished_recving (vLLM
 also delays freeing them if the request is aborted meanwhile).
 
-P: a request whose params say `do_remote_decode` is announced when vLLM first considers
-it (`PrefillSpec` in `admitted`); the step that completes its prompt names its blocks
+P: a request whose params say `do_remote_decode` is announced when it enters vLLM's queue
+(`arrived`, from on_new_request; else when vLLM first considers it) (`PrefillSpec` in
+`admitted`); the step that completes its prompt names its blocks
 (`LayerSpec`, push: the worker writes each layer as vLLM saves it); when it finishes
 normally it keeps its blocks (delay_free=True), returns the params D needs (unused when
 D's leg went out with P's, naming the router's `transfer_id`) and a `SendSpec` lends the
@@ -95,11 +96,20 @@ class SchedulerSide:
         return math.ceil(num_tokens / self.block_size)
 
     # -- both roles: what vLLM schedules --------------------------------------------------
+    def arrived(self, request_id: str, params: dict[str, Any] | None, num_prompt: int) -> None:
+        """P: a P leg entered vLLM's queue (on_new_request): announce it to the worker now.
+        vLLM considers a waiting request only once those ahead of it were scheduled, and D's
+        registration, which comes at once, must not outlive `registration_grace_s` waiting
+        for P to hear of its prompt while P's queue is long."""
+        if wants_remote_decode(params):
+            self._admit(request_id, params, num_prompt)
+
     def num_matched(
         self, request_id: str, params: dict[str, Any] | None, num_prompt: int, num_computed: int
     ) -> tuple[int, bool]:
         """D: tokens P will provide beyond our own prefix cache, loaded asynchronously.
-        P: the first time vLLM considers a P leg, announce it to the worker."""
+        P: the first time vLLM considers a P leg, announce it to the worker (if `arrived`
+        has not already)."""
         if wants_remote_decode(params):
             self._admit(request_id, params, num_prompt)
             return 0, False
@@ -268,7 +278,6 @@ class SchedulerSide:
             transfer_mode=mode,
             expires_at=expires_at,
             signature=signature,
-            prefill_done_time=time.time(),
         )
 
     def _release_unused(self, params: dict[str, Any] | None) -> None:

@@ -58,7 +58,8 @@ def core_config(
         heartbeat_s=cfg.heartbeat_s,
         heartbeat_misses=cfg.heartbeat_misses,
         push_layerwise=cfg.push_layerwise,
-        # vLLM's P cannot see its queue: a registration waits this long for its prompt.
+        # P's scheduler announces a prompt as it enters vLLM's queue (`on_new_request`): a
+        # registration waits this long for that, or for its prompt's end once it is gone.
         registration_ttl_s=cfg.registration_grace_s,
         unknown_transfer_grace_s=cfg.registration_grace_s,
     )
