@@ -35,11 +35,16 @@ def log_record(logger: logging.Logger, prefix: str, record: msgspec.Struct) -> N
     logger.debug("%s%s", prefix, msgspec.json.encode(record).decode())
 
 
+# vLLM's log format names the file and line that logged, not the logger: a record from
+# inside vLLM's processes (pdserve's KV connector) reads `... DEBUG ... [tracelog.py:35] hop {`.
+_VLLM_FORMAT_MARK = "[tracelog.py:"
+
+
 def parse_record(line: str, logger_name: str, prefix: str, kind: type[T]) -> T | None:
-    """The `kind` record in a line that `log_record` wrote on `logger_name` with `prefix`,
-    or None for any other line."""
+    """The `kind` record in a line that `log_record` wrote on `logger_name` with `prefix`
+    (or, in vLLM's log format, from this module), or None for any other line."""
     i = line.find(prefix + "{")
-    if i < 0 or logger_name not in line[:i]:
+    if i < 0 or (logger_name not in line[:i] and _VLLM_FORMAT_MARK not in line[:i]):
         return None
     return msgspec.json.decode(line[i + len(prefix) :].strip(), type=kind)
 

@@ -2,10 +2,12 @@
 
 usage: handoff_hops.py [--pool] RUN_DIR [RUN_DIR ...]
 RUN_DIR holds logs/{prefill-0,decode-0,router}.log of a cluster run with the trace on, and
-serial.json (bench serve --save-result, one request at a time). For each request: the time
-of each hop after P's prefill-done, joined by transfer id, request id, or (for the
-transport's unkeyed frames) by time; prints the median and p90 of each hop's time since
-prefill done and of the step from the previous hop.
+serial.json (bench serve --save-result, one request at a time). On vLLM's engine (`pdserve
+up --engine vllm ... -- --log-level debug`: the instances' hops come from the KV connector
+only) the table starts at P's last saved layer, needs no serial.json and takes any load.
+For each request: the time of each hop after P's prefill-done, joined by transfer id,
+request id, or (for the transport's unkeyed frames) by time; prints the median and p90 of
+each hop's time since prefill done and of the step from the previous hop.
 """
 
 from __future__ import annotations
@@ -67,6 +69,25 @@ PULL = [
     ("r.relay_first", "router: first chunk to the client"),
     ("client", "client: first token"),
 ]
+
+
+VLLM_PUSH = [
+    ("p.layers_done", "P: last layer saved (vLLM's forward pass)"),
+    ("p.notif_posted", "P: writer posts PushDone (every layer's write done)"),
+    ("d.notif_thread", "D: notification thread has it"),
+    ("r.first_token", "router: D's first token read"),
+    ("r.p_answer", "router: P's answer (vLLM's HTTP response)"),
+    ("p.writer_fin", "P: the request's SendSpec reaches the worker (frees the hold)"),
+]
+
+
+def per_transfer_vllm(run: Path) -> list[dict[str, float]]:
+    """vLLM push: each transfer's hops, in ms since P's last saved layer."""
+    keyed: dict[str, dict[str, float]] = {}
+    for _, h in load(run):
+        keyed.setdefault(h.key, {}).setdefault(h.name, h.t)
+    rows = [v for v in keyed.values() if "p.layers_done" in v and "r.first_token" in v]
+    return [{k: (t - v["p.layers_done"]) * 1e3 for k, t in v.items()} for v in rows]
 
 
 def load(run: Path):
@@ -191,11 +212,16 @@ def main() -> None:
     runs = [Path(a) for a in args if a != "--pool"]
     groups = [runs] if pool else [[r] for r in runs]
     for group in groups:
+        run = " + ".join(map(str, group))
+        vllm = [r for g in group for r in per_transfer_vllm(g)]
+        if vllm:
+            print(f"## {run} (vLLM, push, layer-wise: {len(vllm)} requests)\n")
+            print(report(vllm, VLLM_PUSH) + "\n")
+            continue
         rows, push = [], False
         for r in group:
             more, push = per_request(r)
             rows += more
-        run = " + ".join(map(str, group))
         if not push:
             print(f"## {run} (pull, {len(rows)} requests)\n")
             print(report(rows, PULL) + "\n")
