@@ -73,7 +73,7 @@ from pdserve.bench.metrics import (
     per_request_arrays,
     save_result,
 )
-from pdserve.options import add_options, from_args, group_titled, option
+from pdserve.options import add_options, from_args, group_titled, key_value, option
 
 DEFAULT_NUM_PROMPTS = 100
 WARMUP_MAX_TOKENS = 16  # enough to go through prefill, KV handoff and a few decode steps
@@ -92,13 +92,6 @@ BACKENDS = {
 def is_chat_endpoint(endpoint: str) -> bool:
     """Whether requests to `endpoint` take chat bodies (its path ends in chat/completions)."""
     return endpoint.split("?")[0].rstrip("/").endswith("/chat/completions")
-
-
-def _key_value(item: str) -> tuple[str, str]:
-    key, sep, value = item.partition("=")
-    if not sep or not key.strip():
-        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {item!r}")
-    return key.strip(), value.strip()
 
 
 def _metric_list(text: str) -> tuple[str, ...]:
@@ -232,7 +225,7 @@ class BenchConfig:
         (),
         group=OUTPUT_GROUP,
         nargs="*",
-        parse=_key_value,
+        parse=key_value,
         metavar="KEY=VALUE",
         help="labels saved with the result, e.g. mode=push",
     )

@@ -25,7 +25,7 @@ from pdserve.bench.arrivals import ArrivalConfig
 from pdserve.bench.dataset import RandomDatasetConfig, TraceError
 from pdserve.bench.metrics import BenchResult, parse_goodput, save_result
 from pdserve.bench.serve import BenchConfig
-from pdserve.options import add_options, from_args, option
+from pdserve.options import add_options, from_args, key_value, option
 from pdserve.sim.cluster_config import ClusterConfig, Mode
 from pdserve.sim.profiles import (
     builtin_names,
@@ -38,13 +38,6 @@ from pdserve.sim.run import SimConfig, run_sim
 from pdserve.sim.sweep import result_name, run_sweep
 
 DEFAULT_NUM_PROMPTS = 100
-
-
-def _key_value(item: str) -> tuple[str, str]:
-    key, sep, value = item.partition("=")
-    if not sep or not key.strip():
-        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {item!r}")
-    return key.strip(), value.strip()
 
 
 @dataclass(frozen=True)
@@ -67,7 +60,7 @@ class SimCommand:
         (),
         flag="--set",
         nargs="*",
-        parse=_key_value,
+        parse=key_value,
         metavar="SECTION.FIELD=VALUE",
         help="override a profile field, e.g. software.per_descriptor_s=1e-6 "
         "hardware.flops_efficiency=0.5",
