@@ -17,7 +17,7 @@ from pdserve import __version__
 
 # (command, module, one-line help)
 COMMANDS: tuple[tuple[str, str, str], ...] = (
-    ("serve", "pdserve.server.serve", "run one instance (monolithic, prefill or decode)"),
+    ("serve", "pdserve.server.serve_args", "run one instance (monolithic, prefill or decode)"),
     ("router", "pdserve.router.serve", "run the OpenAI-compatible P/D router"),
     ("up", "pdserve.cluster.up", "start a P/D cluster (instances + router), locally or on Ray"),
     ("sim", "pdserve.sim.cli", "simulate a P/D cluster: pull vs push"),
@@ -139,8 +139,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `pdserve` console script."""
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
     command = _import_command(args._module)
+    run = getattr(command, "main_from_args", None) or command.main
     try:
-        return int(command.main(args) or 0)
+        return int(run(args) or 0)
     except ModuleNotFoundError as exc:  # a tool that imports a package when it needs it
         missing = _missing_extra(exc, args._module)
         if missing is None:

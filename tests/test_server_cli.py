@@ -6,7 +6,8 @@ import pytest
 
 from pdserve.cli import parse_args
 from pdserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, ServerConfig
-from pdserve.server.serve import API_KEY_ENV, configs_from_args
+from pdserve.server.serve import API_KEY_ENV
+from pdserve.server.serve_args import configs_from_args
 
 
 def test_defaults_match_config_dataclasses(monkeypatch: pytest.MonkeyPatch) -> None:
