@@ -19,7 +19,11 @@ from pdserve import __version__
 COMMANDS: tuple[tuple[str, str, str], ...] = (
     ("serve", "pdserve.server.serve_args", "run one instance (monolithic, prefill or decode)"),
     ("router", "pdserve.router.serve_args", "run the OpenAI-compatible P/D router"),
-    ("up", "pdserve.cluster.up", "start a P/D cluster (instances + router), locally or on Ray"),
+    (
+        "up",
+        "pdserve.cluster.up_args",
+        "start a P/D cluster (instances + router), locally or on Ray",
+    ),
     ("sim", "pdserve.sim.cli", "simulate a P/D cluster: pull vs push"),
 )
 BENCH_COMMANDS: tuple[tuple[str, str, str], ...] = (

@@ -49,15 +49,8 @@ from pdserve.bench.soak_traffic import (
     poisson_arrivals,
     request_body,
 )
-from pdserve.launcher import (
-    TOKEN_ENV,
-    Cluster,
-    ClusterConfig,
-    InstanceSpec,
-    add_arguments,
-    config_from_args,
-    serve_command,
-)
+from pdserve.cluster.up_args import add_arguments, config_from_args
+from pdserve.launcher import TOKEN_ENV, Cluster, ClusterConfig, InstanceSpec, serve_command
 
 FAKE = Path(__file__).with_name("test_router_fake_instance.py")
 

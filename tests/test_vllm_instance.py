@@ -16,13 +16,8 @@ import pytest
 from test_router_fake_instance import wait_for
 
 from pdserve.cli import parse_args
-from pdserve.launcher import (
-    InstanceSpec,
-    ManagedProcess,
-    config_from_args,
-    prefill_peer,
-    serve_command,
-)
+from pdserve.cluster.up_args import config_from_args
+from pdserve.launcher import InstanceSpec, ManagedProcess, prefill_peer, serve_command
 from pdserve.server.serve_args import main_from_args, vllm_config_from_args
 from pdserve.vllm import instance
 from pdserve.vllm.instance import (
