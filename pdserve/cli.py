@@ -24,7 +24,7 @@ COMMANDS: tuple[tuple[str, str, str], ...] = (
         "pdserve.cluster.up_args",
         "start a P/D cluster (instances + router), locally or on Ray",
     ),
-    ("sim", "pdserve.sim.cli", "simulate a P/D cluster: pull vs push"),
+    ("sim", "pdserve.sim.sim_args", "simulate a P/D cluster: pull vs push"),
 )
 BENCH_COMMANDS: tuple[tuple[str, str, str], ...] = (
     ("serve", "pdserve.bench.serve", "replay traffic against an OpenAI-compatible endpoint"),

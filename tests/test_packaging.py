@@ -68,7 +68,7 @@ def test_serving_modules_need_no_tool_or_test_package() -> None:
     ("argv", "module", "extra"),
     [
         (["bench", "serve", "--help"], "pdserve.bench.serve", "bench"),
-        (["sim", "--help"], "pdserve.sim.cli", "sim"),
+        (["sim", "--help"], "pdserve.sim.sim_args", "sim"),
     ],
 )
 def test_tool_without_its_extra_names_the_extra(
