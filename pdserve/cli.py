@@ -27,19 +27,19 @@ COMMANDS: tuple[tuple[str, str, str], ...] = (
     ("sim", "pdserve.sim.sim_args", "simulate a P/D cluster: pull vs push"),
 )
 BENCH_COMMANDS: tuple[tuple[str, str, str], ...] = (
-    ("serve", "pdserve.bench.serve", "replay traffic against an OpenAI-compatible endpoint"),
-    ("sweep", "pdserve.bench.sweep", "grid of input lengths x rates x modes, with report"),
-    ("engine", "pdserve.bench.engine", "prefill/decode tokens/s of the engine alone"),
-    ("transport", "pdserve.bench.transport", "KV transport bandwidth and latency"),
-    ("report", "pdserve.bench.report", "Markdown table and plots from result JSONs"),
+    ("serve", "pdserve.bench.serve_args", "replay traffic against an OpenAI-compatible endpoint"),
+    ("sweep", "pdserve.bench.sweep_args", "grid of input lengths x rates x modes, with report"),
+    ("engine", "pdserve.bench.engine_args", "prefill/decode tokens/s of the engine alone"),
+    ("transport", "pdserve.bench.transport_args", "KV transport bandwidth and latency"),
+    ("report", "pdserve.bench.report_args", "Markdown table and plots from result JSONs"),
     (
         "soak",
-        "pdserve.bench.soak",
+        "pdserve.bench.soak_args",
         "minutes of aborted, P-restarted traffic; leaks and wrong outputs",
     ),
     (
         "make-checkpoint",
-        "pdserve.bench.make_checkpoint",
+        "pdserve.bench.make_checkpoint_args",
         "write a random Hugging Face checkpoint of a given shape (for comparisons)",
     ),
 )

@@ -67,7 +67,7 @@ def test_serving_modules_need_no_tool_or_test_package() -> None:
 @pytest.mark.parametrize(
     ("argv", "module", "extra"),
     [
-        (["bench", "serve", "--help"], "pdserve.bench.serve", "bench"),
+        (["bench", "serve", "--help"], "pdserve.bench.serve_args", "bench"),
         (["sim", "--help"], "pdserve.sim.sim_args", "sim"),
     ],
 )

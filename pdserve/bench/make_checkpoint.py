@@ -28,7 +28,7 @@ from typing import Literal
 import torch
 
 from pdserve.model.builtin import RECIPES, build_tokenizer, tokenizer_config_for
-from pdserve.options import add_options, from_args, option
+from pdserve.options import add_options, option
 
 
 @dataclass(frozen=True)
@@ -64,16 +64,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_options(parser, MakeCheckpointConfig, only=("out",))
     add_options(parser, CheckpointShape)
     add_options(parser, MakeCheckpointConfig, only=("force",))
-
-
-def config_from_args(args: argparse.Namespace) -> MakeCheckpointConfig:
-    """The `MakeCheckpointConfig` of parsed flags."""
-    return from_args(MakeCheckpointConfig, args, shape=from_args(CheckpointShape, args))
-
-
-def main(args: argparse.Namespace) -> int:
-    """Write the checkpoint of the parsed flags; 1 if the directory exists without --force."""
-    return run(config_from_args(args))
 
 
 def run(cfg: MakeCheckpointConfig) -> int:
@@ -124,6 +114,8 @@ def write_checkpoint(shape: CheckpointShape, out: Path) -> None:
 
 
 if __name__ == "__main__":
+    from pdserve.bench.make_checkpoint_args import main_from_args
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_arguments(parser)
-    raise SystemExit(main(parser.parse_args()))
+    raise SystemExit(main_from_args(parser.parse_args()))

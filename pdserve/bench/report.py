@@ -23,7 +23,7 @@ import numpy as np
 from matplotlib.figure import Figure
 
 from pdserve.bench.metrics import BenchResult, load_result
-from pdserve.options import add_options, from_args, option
+from pdserve.options import add_options, option
 
 SeriesKey = tuple[str, int | None]
 
@@ -374,11 +374,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_options(parser, ReportConfig)
 
 
-def main(args: argparse.Namespace) -> int:
-    """Write the report of the parsed arguments and print its summary."""
-    return run(from_args(ReportConfig, args, results=tuple(args.results)))
-
-
 def run(cfg: ReportConfig) -> int:
     """Write the report and print its summary."""
     results = load_results(cfg.results)
@@ -389,6 +384,8 @@ def run(cfg: ReportConfig) -> int:
 
 
 if __name__ == "__main__":
+    from pdserve.bench.report_args import main_from_args
+
     _parser = argparse.ArgumentParser(prog="python -m pdserve.bench.report")
     add_arguments(_parser)
-    raise SystemExit(main(_parser.parse_args()))
+    raise SystemExit(main_from_args(_parser.parse_args()))
