@@ -1,8 +1,12 @@
 """`pdserve` command line: one subcommand per job, each implemented in its own module.
 
-Every command module exposes `add_arguments(parser)` and `main(args) -> int`; they are
-imported lazily so that `pdserve --help` stays fast and a missing optional dependency
-(nixl) only matters to the command that needs it.
+Each command has an arguments module (`*_args.py`, named below) that exposes
+`add_arguments(parser)`, optionally `check_args(args, parser)`, and
+`main_from_args(args) -> int`, which turns the parsed namespace into the command's frozen
+configs and runs the command's own `main`/`run` on them: the namespace stops there
+(tests/test_options.py checks that no other module takes one). They are imported lazily so
+that `pdserve --help` stays fast and a missing optional dependency (nixl) only matters to the
+command that needs it.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from types import ModuleType
 
 from pdserve import __version__
 
-# (command, module, one-line help)
+# (command, its arguments module, one-line help)
 COMMANDS: tuple[tuple[str, str, str], ...] = (
     ("serve", "pdserve.server.serve_args", "run one instance (monolithic, prefill or decode)"),
     ("router", "pdserve.router.serve_args", "run the OpenAI-compatible P/D router"),
@@ -143,9 +147,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `pdserve` console script."""
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
     command = _import_command(args._module)
-    run = getattr(command, "main_from_args", None) or command.main
     try:
-        return int(run(args) or 0)
+        return int(command.main_from_args(args) or 0)
     except ModuleNotFoundError as exc:  # a tool that imports a package when it needs it
         missing = _missing_extra(exc, args._module)
         if missing is None:

@@ -28,7 +28,7 @@ from typing import Literal
 import torch
 
 from pdserve.model.builtin import RECIPES, build_tokenizer, tokenizer_config_for
-from pdserve.options import add_options, option
+from pdserve.options import add_options, from_args, option
 
 
 @dataclass(frozen=True)
@@ -113,9 +113,9 @@ def write_checkpoint(shape: CheckpointShape, out: Path) -> None:
     (out / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2) + "\n")
 
 
-if __name__ == "__main__":
-    from pdserve.bench.make_checkpoint_args import main_from_args
-
+if __name__ == "__main__":  # as `pdserve bench make-checkpoint` (make_checkpoint_args.py)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_arguments(parser)
-    raise SystemExit(main_from_args(parser.parse_args()))
+    args = parser.parse_args()
+    shape = from_args(CheckpointShape, args)
+    raise SystemExit(run(from_args(MakeCheckpointConfig, args, shape=shape)))

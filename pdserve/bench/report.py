@@ -23,7 +23,7 @@ import numpy as np
 from matplotlib.figure import Figure
 
 from pdserve.bench.metrics import BenchResult, load_result
-from pdserve.options import add_options, option
+from pdserve.options import add_options, from_args, option
 
 SeriesKey = tuple[str, int | None]
 
@@ -383,9 +383,8 @@ def run(cfg: ReportConfig) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    from pdserve.bench.report_args import main_from_args
-
+if __name__ == "__main__":  # as `pdserve bench report` (pdserve.bench.report_args)
     _parser = argparse.ArgumentParser(prog="python -m pdserve.bench.report")
     add_arguments(_parser)
-    raise SystemExit(main_from_args(_parser.parse_args()))
+    _args = _parser.parse_args()
+    raise SystemExit(run(from_args(ReportConfig, _args, results=tuple(_args.results))))
