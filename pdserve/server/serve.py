@@ -65,8 +65,9 @@ class ServeProcess:
 @dataclass(frozen=True)
 class ServeCommand:
     """One `pdserve serve` instance on pdserve's engine: what `main` runs (built from the
-    flags by pdserve.server.serve_args). `pd`'s address peers are told is resolved at start
-    (`advertised`), so that a wildcard `--kv-host` fails there, after the exposure warning."""
+    flags by pdserve.server.serve_args). The address `pd` tells peers is resolved at start
+    (`advertised`): a wildcard `--kv-host` without `--kv-advertise-host` fails there, after
+    the exposure warning, with the other flags that cannot work (exit status 2)."""
 
     engine: EngineConfig
     server: ServerConfig
