@@ -1,8 +1,12 @@
 """`pdserve` command line: one subcommand per job, each implemented in its own module.
 
-Every command module exposes `add_arguments(parser)` and `main(args) -> int`; they are
-imported lazily so that `pdserve --help` stays fast and a missing optional dependency
-(nixl) only matters to the command that needs it.
+Each command has an arguments module (`*_args.py`, named below) that exposes
+`add_arguments(parser)`, optionally `check_args(args, parser)`, and
+`main_from_args(args) -> int`, which turns the parsed namespace into the command's frozen
+configs and runs the command's own `main`/`run` on them: the namespace stops there
+(tests/test_options.py checks that no other module takes one). They are imported lazily so
+that `pdserve --help` stays fast and a missing optional dependency (nixl) only matters to the
+command that needs it.
 """
 
 from __future__ import annotations
@@ -15,27 +19,31 @@ from types import ModuleType
 
 from pdserve import __version__
 
-# (command, module, one-line help)
+# (command, its arguments module, one-line help)
 COMMANDS: tuple[tuple[str, str, str], ...] = (
-    ("serve", "pdserve.server.serve", "run one instance (monolithic, prefill or decode)"),
-    ("router", "pdserve.router.serve", "run the OpenAI-compatible P/D router"),
-    ("up", "pdserve.cluster.up", "start a P/D cluster (instances + router), locally or on Ray"),
-    ("sim", "pdserve.sim.cli", "simulate a P/D cluster: pull vs push"),
+    ("serve", "pdserve.server.serve_args", "run one instance (monolithic, prefill or decode)"),
+    ("router", "pdserve.router.serve_args", "run the OpenAI-compatible P/D router"),
+    (
+        "up",
+        "pdserve.cluster.up_args",
+        "start a P/D cluster (instances + router), locally or on Ray",
+    ),
+    ("sim", "pdserve.sim.sim_args", "simulate a P/D cluster: pull vs push"),
 )
 BENCH_COMMANDS: tuple[tuple[str, str, str], ...] = (
-    ("serve", "pdserve.bench.serve", "replay traffic against an OpenAI-compatible endpoint"),
-    ("sweep", "pdserve.bench.sweep", "grid of input lengths x rates x modes, with report"),
-    ("engine", "pdserve.bench.engine", "prefill/decode tokens/s of the engine alone"),
-    ("transport", "pdserve.bench.transport", "KV transport bandwidth and latency"),
-    ("report", "pdserve.bench.report", "Markdown table and plots from result JSONs"),
+    ("serve", "pdserve.bench.serve_args", "replay traffic against an OpenAI-compatible endpoint"),
+    ("sweep", "pdserve.bench.sweep_args", "grid of input lengths x rates x modes, with report"),
+    ("engine", "pdserve.bench.engine_args", "prefill/decode tokens/s of the engine alone"),
+    ("transport", "pdserve.bench.transport_args", "KV transport bandwidth and latency"),
+    ("report", "pdserve.bench.report_args", "Markdown table and plots from result JSONs"),
     (
         "soak",
-        "pdserve.bench.soak",
+        "pdserve.bench.soak_args",
         "minutes of aborted, P-restarted traffic; leaks and wrong outputs",
     ),
     (
         "make-checkpoint",
-        "pdserve.bench.make_checkpoint",
+        "pdserve.bench.make_checkpoint_args",
         "write a random Hugging Face checkpoint of a given shape (for comparisons)",
     ),
 )
@@ -140,7 +148,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
     command = _import_command(args._module)
     try:
-        return int(command.main(args) or 0)
+        return int(command.main_from_args(args) or 0)
     except ModuleNotFoundError as exc:  # a tool that imports a package when it needs it
         missing = _missing_extra(exc, args._module)
         if missing is None:

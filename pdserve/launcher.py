@@ -5,6 +5,9 @@
     with Cluster(ClusterConfig(kv_transfer="push")) as cluster:
         client = OpenAI(base_url=f"{cluster.router_url}/v1", api_key="none")
 
+`pdserve up`'s flags are declared on `ClusterConfig`; pdserve.cluster.up_args puts them on
+the parser and builds the config back, so this module never sees argparse's namespace.
+
 Processes: the cluster owns every process it starts and nothing else. Each child runs in its
 own session (so a Ctrl-C in the terminal reaches only the launcher, which then stops the
 children in order) and is stopped by its PID: SIGTERM, then SIGKILL after `stop_timeout_s`.
@@ -76,9 +79,8 @@ from urllib.parse import urlsplit
 from pdserve.config import API_KEY_ENV, TOKEN_ENV, LogLevel, Role, TransferMode, TransportKind
 from pdserve.http_client import Client, HttpError
 from pdserve.logdir import LogDirError, private_dir, private_file
-from pdserve.options import add_options, from_args, option
+from pdserve.options import option
 from pdserve.ports import EXIT_ADDRESS_IN_USE, free_ports, listens
-from pdserve.restarts import SUPERVISION_GROUP, RestartPolicy
 from pdserve.router.config import PolicyName
 from pdserve.vllm.instance import Connector, Engine
 
@@ -748,92 +750,3 @@ def is_healthy(client: Client, p: ManagedProcess) -> bool:
     except HttpError:
         return False
     return ok and listens(p.pid, _port_of(p.url))
-
-
-# -- the `pdserve up` command ---------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class UpProcess:
-    """What `pdserve up` itself does after the cluster stops (`main` reads the flag's
-    namespace attribute, `keep_logs`)."""
-
-    keep_logs: bool = option(
-        False,
-        help="keep the temporary log folder after a clean exit (it is always kept after a "
-        "failure, and a --log-dir is never deleted)",
-    )
-
-
-@dataclass(frozen=True)
-class ClusterMode:
-    """`--monolithic`, the alternative to `--kv-transfer` (one of the two is required):
-    `config_from_args` makes it `ClusterConfig.kv_transfer` None."""
-
-    monolithic: bool = option(False, help="one --role both instance and no router (the baseline)")
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Flags of `pdserve up` (declared on `ClusterConfig`, `ClusterMode`, `UpProcess` and
-    `RestartPolicy`); everything after `--` goes to every instance."""
-    mode = parser.add_mutually_exclusive_group(required=True)
-    add_options(mode, ClusterConfig, only=("kv_transfer",))
-    add_options(mode, ClusterMode)
-    add_options(parser, ClusterConfig, only=_CLUSTER_FLAGS)
-    add_options(parser, UpProcess)
-    add_options(parser, ClusterConfig, only=("pin_cores", "cores", "startup_timeout_s"))
-    parser.add_argument_group(
-        SUPERVISION_GROUP,
-        "A process that dies (prefill, decode or router) is started again on the same ports, "
-        "after a backoff that doubles from --restart-backoff up to --restart-backoff-max; the "
-        "others keep serving meanwhile. After more than --max-restarts failures within "
-        "--restart-window seconds it is given up: without prefill instances the cluster goes "
-        "on (the router prefills on the decode instances); without the router, any decode "
-        "instance or (--monolithic) the instance it stops, with exit status 1.",
-    )
-    add_options(parser, RestartPolicy)
-    # A positional (options.py declares flags only): handed to `from_args` as computed.
-    parser.add_argument(
-        "instance_args", nargs=argparse.REMAINDER, help="-- then extra arguments for every instance"
-    )
-
-
-# ClusterConfig's flags listed between the mode and `--keep-logs`, in `--help`'s order.
-_CLUSTER_FLAGS = (
-    "num_prefill",
-    "num_decode",
-    "transport",
-    "engine",
-    "connector",
-    "vllm_python",
-    "model",
-    "host",
-    "port",
-    "policy",
-    "local_prefill_below",
-    "api_key",
-    "cluster_token",
-    "request_timeout_s",
-    "router_log_level",
-    "log_dir",
-)
-
-
-def restart_policy_from_args(args: argparse.Namespace) -> RestartPolicy:
-    """The `RestartPolicy` of parsed `pdserve up` arguments (ValueError if inconsistent)."""
-    return from_args(RestartPolicy, args)
-
-
-def config_from_args(args: argparse.Namespace) -> ClusterConfig:
-    """The `ClusterConfig` of parsed `pdserve up` arguments."""
-    extra = list(args.instance_args)
-    if extra[:1] == ["--"]:
-        extra = extra[1:]
-    return from_args(
-        ClusterConfig,
-        args,
-        kv_transfer=None if from_args(ClusterMode, args).monolithic else args.kv_transfer,
-        api_key=args.api_key or None,
-        cluster_token=args.cluster_token or None,
-        instance_args=tuple(extra),
-    )

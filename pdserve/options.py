@@ -260,3 +260,11 @@ def port_number(text: str) -> int:
     if not 0 <= value <= 65535:
         raise argparse.ArgumentTypeError(f"must be in 0-65535, got {value}")
     return value
+
+
+def key_value(text: str) -> tuple[str, str]:
+    """argparse type: `KEY=VALUE` as (key, value), both stripped; the value may be empty."""
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    return key.strip(), value.strip()

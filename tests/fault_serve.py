@@ -46,13 +46,13 @@ def faults_json(faults: Faults) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     from pdserve.cli import parse_args
-    from pdserve.server.serve import main as serve_main
+    from pdserve.server.serve_args import main_from_args
 
     argv = list(sys.argv[1:] if argv is None else argv)
     pre = argparse.ArgumentParser(prog="python -m tests.fault_serve")
     pre.add_argument("--faults", required=True, help="a Faults as a JSON object")
     ours, rest = pre.parse_known_args(argv)
-    return serve_main(parse_args(["serve", *rest]), _parse_faults(pre, ours.faults))
+    return main_from_args(parse_args(["serve", *rest]), _parse_faults(pre, ours.faults))
 
 
 def _parse_faults(parser: argparse.ArgumentParser, text: str) -> Faults:

@@ -13,10 +13,10 @@ from pdserve.bench.serve import (
     COMPLETIONS_ENDPOINT,
     BenchConfig,
     ResultOutput,
-    config_from_args,
     default_result_filename,
     result_path,
 )
+from pdserve.bench.serve_args import config_from_args
 from pdserve.cli import main as cli_main
 from pdserve.cli import parse_args
 from pdserve.options import from_args

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from pdserve.bench import serve
+from pdserve.bench import serve, serve_args
 from tests.procs import free_port
 
 
@@ -36,12 +36,12 @@ def test_the_client_pins_itself_first(monkeypatch: pytest.MonkeyPatch, capsys) -
     monkeypatch.setattr(os, "sched_setaffinity", lambda pid, cpus: calls.append((pid, cpus)))
     url = f"http://127.0.0.1:{free_port()}"  # nobody listens: the run ends at once
     args = _args("--base-url", url, "--cpus", "0", "--num-prompts", "1", "--disable-tqdm")
-    assert serve.main(args) == 1
+    assert serve_args.main_from_args(args) == 1
     assert calls == [(0, frozenset({0}))]
     assert _args().cpus is None  # default: anywhere
 
 
 def test_cpus_outside_the_machine_are_a_clear_error(capsys) -> None:
     args = _args("--base-url", "http://127.0.0.1:9", "--cpus", "100000")
-    assert serve.main(args) == 1
+    assert serve_args.main_from_args(args) == 1
     assert "pdserve bench serve:" in capsys.readouterr().err

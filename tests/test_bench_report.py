@@ -9,7 +9,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from pdserve.bench import report
+from pdserve.bench import report, report_args
 from pdserve.bench.metrics import (
     BenchResult,
     RequestRecord,
@@ -178,6 +178,6 @@ def test_main_reads_json_files(
         save_result(run, paths[-1])
     parser = argparse.ArgumentParser()
     report.add_arguments(parser)
-    assert report.main(parser.parse_args([str(p) for p in paths])) == 0
+    assert report_args.main_from_args(parser.parse_args([str(p) for p in paths])) == 0
     assert (tmp_path / "report.md").exists() and (tmp_path / "report_ratio.png").exists()
     assert "TTFT p50 push/pull" in capsys.readouterr().out

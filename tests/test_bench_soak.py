@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from aiohttp import web
 
-from pdserve.bench import soak
+from pdserve.bench import soak, soak_args
 from pdserve.bench.soak_report import (
     Mismatch,
     PhaseCounts,
@@ -49,15 +49,8 @@ from pdserve.bench.soak_traffic import (
     poisson_arrivals,
     request_body,
 )
-from pdserve.launcher import (
-    TOKEN_ENV,
-    Cluster,
-    ClusterConfig,
-    InstanceSpec,
-    add_arguments,
-    config_from_args,
-    serve_command,
-)
+from pdserve.cluster.up_args import add_arguments, config_from_args
+from pdserve.launcher import TOKEN_ENV, Cluster, ClusterConfig, InstanceSpec, serve_command
 
 FAKE = Path(__file__).with_name("test_router_fake_instance.py")
 
@@ -269,12 +262,12 @@ def test_cli_flags_map_to_the_config() -> None:
         "--duration-min 0.5 --mode pull --input-len 10 20 --output-len 3 4 --abort-fraction 0.3"
         " --no-restart --oracle-sample 0.2 --request-rate 2 -- --kv-lease 5"
     )
-    cfg = soak.config_from_args(parser.parse_args(argv.split()))
+    cfg = soak_args.config_from_args(parser.parse_args(argv.split()))
     assert (cfg.mode, cfg.duration_s, cfg.restart_at, cfg.request_rate) == ("pull", 30.0, None, 2)
     assert cfg.traffic.input_len == (10, 20) and cfg.traffic.output_len == (3, 4)
     assert cfg.traffic.abort_fraction == 0.3 and cfg.oracle_sample == 0.2
     assert cfg.instance_args == ("--kv-lease", "5")
-    default = soak.config_from_args(parser.parse_args([]))
+    default = soak_args.config_from_args(parser.parse_args([]))
     assert (default.mode, default.duration_s, default.restart_at) == ("push", 600.0, 0.5)
     assert default.model == "builtin:small" and default.request_rate is None
     with pytest.raises(ValueError):

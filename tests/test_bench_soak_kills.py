@@ -10,7 +10,7 @@ import msgspec
 import numpy as np
 import pytest
 
-from pdserve.bench import soak
+from pdserve.bench import soak, soak_args
 from pdserve.bench.soak_kills import (
     KILL_ROLES,
     RESTARTS_MARGIN,
@@ -107,11 +107,11 @@ def test_a_result_saved_before_the_kill_mode_still_reads() -> None:
 def test_kill_flags_map_to_the_config() -> None:
     parser = argparse.ArgumentParser()
     soak.add_arguments(parser)
-    cfg = soak.config_from_args(parser.parse_args(["--kill-every", "60", "--seed", "3"]))
+    cfg = soak_args.config_from_args(parser.parse_args(["--kill-every", "60", "--seed", "3"]))
     assert (cfg.kill_every_s, cfg.kill_roles, cfg.restart_at) == (60.0, KILL_ROLES, None)
     args = ["--kill-every", "15", "--kill-roles", "decode,router"]
-    assert soak.config_from_args(parser.parse_args(args)).kill_roles == ("decode", "router")
-    assert soak.config_from_args(parser.parse_args([])).kill_every_s is None
+    assert soak_args.config_from_args(parser.parse_args(args)).kill_roles == ("decode", "router")
+    assert soak_args.config_from_args(parser.parse_args([])).kill_every_s is None
     with pytest.raises(SystemExit):
         parser.parse_args(["--kill-every", "15", "--kill-roles", "decode,oracle"])
     with pytest.raises(ValueError):

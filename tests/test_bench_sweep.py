@@ -12,7 +12,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from pdserve.bench import sweep
+from pdserve.bench import sweep, sweep_args
 from pdserve.bench.capacity import PrefillCapacity, utilisation
 from pdserve.bench.metrics import (
     BenchResult,
@@ -120,7 +120,7 @@ def test_flags_parse_into_the_config() -> None:
     argv = "--input-len 256 1024 --request-rate 0.5 inf --modes push vllm "
     argv += "--base-url vllm=http://127.0.0.1:8100 --prefill-capacity 256=5000 1024=2500 "
     argv += "--out-dir /tmp/x --seed 3 -- --max-num-seqs 8"
-    cfg = sweep.config_from_args(parser.parse_args(argv.split()))
+    cfg = sweep_args.config_from_args(parser.parse_args(argv.split()))
     assert cfg.input_lens == (256, 1024)
     assert cfg.rates == (0.5, math.inf)
     assert cfg.modes == ("push", "vllm")

@@ -18,7 +18,7 @@ from pdserve.cli import parse_args
 from pdserve.config import ConnectorConfig
 from pdserve.httpd.protocol import PollFilter
 from pdserve.options import from_args
-from pdserve.server.serve import configs_from_args
+from pdserve.server.serve_args import configs_from_args
 
 
 def kv(role: str, connector: str = "PdserveConnector", **extra: str) -> str:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.bench import capacity, engine, make_checkpoint, transport
+from pdserve.bench import capacity, engine, make_checkpoint, make_checkpoint_args, transport
 from pdserve.options import add_options, from_args
 
 
@@ -42,7 +42,7 @@ def test_bench_transport_flags() -> None:
 
 def test_make_checkpoint_flags() -> None:
     argv = ["--out", "d", "--layers", "2", "--dtype", "float32", "--force"]
-    cfg = make_checkpoint.config_from_args(_parse(make_checkpoint.add_arguments, argv))
+    cfg = make_checkpoint_args.config_from_args(_parse(make_checkpoint.add_arguments, argv))
     assert cfg.out == Path("d") and cfg.force
     assert cfg.shape == make_checkpoint.CheckpointShape(layers=2, dtype="float32")
     with pytest.raises(SystemExit):  # --out is required

@@ -3,8 +3,6 @@ and the test-only entry point (tests/fault_serve.py) hands its `--faults` to the
 
 from __future__ import annotations
 
-import argparse
-
 import pytest
 
 import pdserve.server.serve as serve
@@ -30,9 +28,9 @@ def test_serve_has_no_fault_or_measurement_flags(flag: tuple[str, ...]) -> None:
         parse_args([*BASE, *flag])
 
 
-def _captured(monkeypatch: pytest.MonkeyPatch) -> list[tuple[argparse.Namespace, Faults]]:
-    seen: list[tuple[argparse.Namespace, Faults]] = []
-    monkeypatch.setattr(serve, "main", lambda args, faults=NO_FAULTS: seen.append((args, faults)))
+def _captured(monkeypatch: pytest.MonkeyPatch) -> list[tuple[serve.ServeCommand, Faults]]:
+    seen: list[tuple[serve.ServeCommand, Faults]] = []
+    monkeypatch.setattr(serve, "main", lambda cfg, faults=NO_FAULTS: seen.append((cfg, faults)))
     return seen
 
 
@@ -41,9 +39,9 @@ def test_the_entry_point_gives_serve_its_faults_and_flags(monkeypatch) -> None:
     faults = Faults(step_delay_s=0.04, fail_transfer_every=3)
     argv = fault_serve.command(faults, ["--role", "prefill", "--kv-transfer", "push"])[2:]
     fault_serve.main(argv)
-    [(args, got)] = seen
+    [(cfg, got)] = seen
     assert got == faults
-    assert (args.role, args.kv_transfer) == ("prefill", "push")
+    assert cfg.pd is not None and (cfg.pd[0].role, cfg.pd[0].mode) == ("prefill", "push")
 
 
 @pytest.mark.parametrize("text", ['{"step_delay": 1}', '{"step_delay_s": "x"}', "[1]", "{"])

@@ -19,6 +19,7 @@ from pdserve.config import ModelConfig, TransportConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.types import SamplingParams
 from pdserve.model.loader import LoadedModel, load_model
+from pdserve.server.serve import advertised
 from pdserve.server.serve_args import add_arguments, pd_configs_from_args
 from pdserve.transfer.connector import ConnectorConfig
 from pdserve.transfer.factory import build_factory
@@ -40,13 +41,13 @@ def _args(*argv: str) -> argparse.Namespace:
 
 
 def connector_config(args: argparse.Namespace) -> ConnectorConfig:
-    pd = pd_configs_from_args(args)
+    pd = advertised(pd_configs_from_args(args))
     assert pd is not None
     return pd[0]
 
 
 def transport_config(args: argparse.Namespace) -> TransportConfig:
-    pd = pd_configs_from_args(args)
+    pd = advertised(pd_configs_from_args(args))
     assert pd is not None
     return pd[1]
 

@@ -14,14 +14,13 @@ from pathlib import Path
 import httpx
 import pytest
 
+from pdserve.cluster.up_args import add_arguments, config_from_args
 from pdserve.launcher import (
     Cluster,
     ClusterConfig,
     ClusterError,
     InstanceSpec,
-    add_arguments,
     assign_cores,
-    config_from_args,
     serve_command,
 )
 from pdserve.ports import EXIT_ADDRESS_IN_USE

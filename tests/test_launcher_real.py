@@ -20,7 +20,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 def _serve_flags() -> set[str]:
     try:
-        module = importlib.import_module("pdserve.server.serve")
+        module = importlib.import_module("pdserve.server.serve_args")
     except ModuleNotFoundError:
         return set()
     parser = argparse.ArgumentParser()

@@ -8,7 +8,7 @@ import argparse
 import pytest
 import torch
 
-from pdserve.bench.make_checkpoint import add_arguments, main
+from pdserve.bench.make_checkpoint_args import add_arguments, main_from_args
 from pdserve.config import ModelConfig
 from pdserve.kv.cache import KVCache
 from pdserve.model.attention import SeqSlice, build_attention_metadata
@@ -26,7 +26,7 @@ def ckpt(tmp_path_factory):
     out = tmp_path_factory.mktemp("ckpt") / "qwen3"
     argv = ["--out", str(out), "--layers", "2", "--hidden", "64", "--intermediate", "96"]
     argv += ["--heads", "4", "--kv-heads", "2", "--head-dim", "16", "--vocab-size", "300"]
-    assert main(_args(*argv, "--dtype", "float32", "--max-positions", "512")) == 0
+    assert main_from_args(_args(*argv, "--dtype", "float32", "--max-positions", "512")) == 0
     return out
 
 
@@ -55,5 +55,5 @@ def test_logits_match_transformers(ckpt):
 
 
 def test_refuses_to_overwrite(ckpt, capsys):
-    assert main(_args("--out", str(ckpt))) == 1
+    assert main_from_args(_args("--out", str(ckpt))) == 1
     assert "exists" in capsys.readouterr().out

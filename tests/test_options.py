@@ -180,3 +180,71 @@ def test_the_flag_scan_sees_raw_flags_and_lets_positionals_pass() -> None:
     assert _raw_flags(PACKAGE / "server" / "vllm_forms.py")  # an allowed module's raw flags
     assert _raw_flags(PACKAGE / "server" / "serve_args.py") == ["--config"]
     assert _raw_flags(PACKAGE / "router" / "scrape_targets.py") == []  # its positional only
+
+
+# -- the namespace stops at the command line -----------------------------------------------
+
+# Modules whose functions may take (or return) an argparse.Namespace, and why. A command's
+# arguments module, `*_args.py` (pdserve/cli.py's COMMANDS), may too: it turns the namespace
+# into the configs its command runs on.
+NAMESPACE_MODULES = {
+    "cli.py": "parses the command line, hands the namespace to the command's arguments module",
+    "options.py": "the mechanism: `from_args` builds a config from the namespace",
+    "server/vllm_forms.py": "vLLM's spellings folded into the namespace before configs exist",
+}
+
+
+def _takes_namespace(node: ast.expr | None) -> bool:
+    """Whether an annotation names `Namespace` (`argparse.Namespace`, `Namespace | None`,
+    or the same as a string)."""
+    if node is None:
+        return False
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return _takes_namespace(ast.parse(node.value, mode="eval").body)
+    return any(
+        (isinstance(n, ast.Name) and n.id == "Namespace")
+        or (isinstance(n, ast.Attribute) and n.attr == "Namespace")
+        for n in ast.walk(node)
+    )
+
+
+def _namespace_functions(source: str) -> list[str]:
+    """The functions of `source` with a parameter or return annotated as a Namespace."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            continue
+        a = node.args
+        params = [*a.posonlyargs, *a.args, *a.kwonlyargs, a.vararg, a.kwarg]
+        if any(p is not None and _takes_namespace(p.annotation) for p in params):
+            found.append(f"{node.name}(...)")
+        elif _takes_namespace(node.returns):
+            found.append(f"{node.name}() -> Namespace")
+    return found
+
+
+def test_the_namespace_stops_at_the_command_line() -> None:
+    offenders = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        module = path.relative_to(PACKAGE).as_posix()
+        if module in NAMESPACE_MODULES or path.name.endswith("_args.py"):
+            continue
+        offenders += [f"{module}: {f}" for f in _namespace_functions(path.read_text())]
+    assert not offenders, (
+        "hand configs down, not argparse's namespace (build them in the command's "
+        "*_args.py module):\n" + "\n".join(offenders)
+    )
+
+
+def test_the_namespace_scan_sees_every_spelling() -> None:
+    source = """
+import argparse
+from argparse import Namespace
+def a(args: argparse.Namespace) -> int: ...
+def b(x: int, *, args: Namespace | None = None) -> None: ...
+async def c(args: "argparse.Namespace") -> None: ...
+def d(argv: list[str]) -> argparse.Namespace: ...
+def e(cfg: object, parser: argparse.ArgumentParser) -> int: ...
+"""
+    assert _namespace_functions(source) == ["a(...)", "b(...)", "c(...)", "d() -> Namespace"]
+    assert _namespace_functions((PACKAGE / "options.py").read_text())  # an allowed module's

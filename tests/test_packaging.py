@@ -67,8 +67,8 @@ def test_serving_modules_need_no_tool_or_test_package() -> None:
 @pytest.mark.parametrize(
     ("argv", "module", "extra"),
     [
-        (["bench", "serve", "--help"], "pdserve.bench.serve", "bench"),
-        (["sim", "--help"], "pdserve.sim.cli", "sim"),
+        (["bench", "serve", "--help"], "pdserve.bench.serve_args", "bench"),
+        (["sim", "--help"], "pdserve.sim.sim_args", "sim"),
     ],
 )
 def test_tool_without_its_extra_names_the_extra(

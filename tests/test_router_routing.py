@@ -13,7 +13,7 @@ from test_router_fake_instance import FakeInstance, running_router, wait_for
 
 from pdserve.router.config import DEFAULT_LOCAL_PREFILL_BELOW
 from pdserve.router.prompt_size import BYTES_PER_TOKEN_CEILING
-from pdserve.router.serve import add_arguments, config_from_args
+from pdserve.router.serve_args import add_arguments, config_from_args
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -6,7 +6,8 @@ import pytest
 
 from pdserve.cli import parse_args
 from pdserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, ServerConfig
-from pdserve.server.serve import API_KEY_ENV, configs_from_args
+from pdserve.server.serve import API_KEY_ENV
+from pdserve.server.serve_args import configs_from_args
 
 
 def test_defaults_match_config_dataclasses(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -78,3 +79,20 @@ def test_transfer_switches_reach_the_connector_config() -> None:
     assert default is not None and default.push_layerwise is True
     cfg, _ = pd_configs_from_args(parse_args([*base, "--no-push-layerwise"])) or (None, None)
     assert cfg is not None and cfg.push_layerwise is False
+
+
+def test_a_command_line_makes_the_config_serve_runs() -> None:
+    """What a Ray instance actor hands `pdserve.server.serve.main` (pdserve.cluster)."""
+    from pdserve.server.serve import ServeCommand
+    from pdserve.server.serve_args import config_from_argv
+    from pdserve.vllm.serve import VllmServeCommand
+
+    argv = ["--role", "decode", "--kv-transfer", "push", "--side-channel-port", "5601"]
+    cfg = config_from_argv([*argv, "--port", "8100", "--engine-process"])
+    assert isinstance(cfg, ServeCommand) and cfg.server.port == 8100
+    assert cfg.process.engine_process and cfg.pd is not None
+    assert (cfg.pd[0].role, cfg.pd[0].mode, cfg.pd[0].side_port) == ("decode", "push", 5601)
+    vllm = config_from_argv([*argv, "--engine", "vllm", "--model", "/ckpt"])
+    assert isinstance(vllm, VllmServeCommand) and vllm.instance.side_port == 5601
+    with pytest.raises(SystemExit):
+        config_from_argv(["--role", "neither"])

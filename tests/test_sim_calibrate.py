@@ -102,11 +102,11 @@ def test_shipped_set_push_hands_over_faster_than_pull_everywhere(shipped) -> Non
 def test_cli_validate_prints_the_fit_and_the_per_point_table(capsys) -> None:
     import argparse
 
-    from pdserve.sim import cli
+    from pdserve.sim import sim_args
 
     parser = argparse.ArgumentParser()
-    cli.add_arguments(parser)
-    assert cli.main(parser.parse_args(["--validate", "pdserve-cpu-sweep"])) == 0
+    sim_args.add_arguments(parser)
+    assert sim_args.main_from_args(parser.parse_args(["--validate", "pdserve-cpu-sweep"])) == 0
     out = capsys.readouterr().out
     assert "Fitted to" in out and "| handoff p50 |" in out
     assert out.count("| 4096 | 4 |") == 3  # pull, push, monolithic

@@ -12,7 +12,7 @@ from pdserve.bench.arrivals import ArrivalConfig
 from pdserve.bench.dataset import RandomDatasetConfig
 from pdserve.bench.metrics import load_result, save_result
 from pdserve.bench.serve import BenchConfig, build_requests, release_offsets, workload_rngs
-from pdserve.sim import cli
+from pdserve.sim import sim_args
 from pdserve.sim.cluster_config import ClusterConfig
 from pdserve.sim.profiles import load_hardware, load_model, load_software
 from pdserve.sim.run import SimConfig, run_sim, workload
@@ -76,7 +76,7 @@ def test_max_concurrency_caps_requests_in_flight() -> None:
 
 def _args(*argv: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
-    cli.add_arguments(parser)
+    sim_args.add_arguments(parser)
     return parser.parse_args(list(argv))
 
 
@@ -85,7 +85,7 @@ def test_cli_sweep_writes_results_and_report(tmp_path, capsys) -> None:
         "--tp", "4", "--sweep", "--input-lens", "1024", "4096", "--rates", "1", "4",
         "--num-prompts", "10", "--output-len", "8", "--out", str(tmp_path), "--disable-tqdm",
     )  # fmt: skip
-    assert cli.main(args) == 0
+    assert sim_args.main_from_args(args) == 0
     saved = sorted(tmp_path.glob("sim-*.json"))
     assert len(saved) == 2 * 2 * 2
     result = load_result(tmp_path / "sim-pull-in4096-r4.json")
@@ -100,11 +100,11 @@ def test_cli_overrides_and_errors(tmp_path, capsys) -> None:
         "--mode", "push", "--num-prompts", "4", "--save-result", str(out),
         "--set", "software.layerwise_push=true", "hardware.flops_efficiency=0.3",
     )  # fmt: skip
-    assert cli.main(args) == 0
+    assert sim_args.main_from_args(args) == 0
     assert load_result(out).metadata["mode"] == "push"
-    assert cli.main(_args("--set", "software.nope=1")) == 1
+    assert sim_args.main_from_args(_args("--set", "software.nope=1")) == 1
     assert "unknown field" in capsys.readouterr().err
-    assert cli.main(_args("--list-profiles")) == 0
+    assert sim_args.main_from_args(_args("--list-profiles")) == 0
     assert "qwen3-32b" in capsys.readouterr().out
 
 

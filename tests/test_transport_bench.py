@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from pdserve.bench import transport as bench
+from pdserve.bench import transport_args as bench
 
 
 @pytest.mark.process  # the bench's target end runs in a process of its own
@@ -17,7 +17,7 @@ def test_bench_transport_json(capsys) -> None:
     args = parser.parse_args(
         ["--transport", "tcp", "--sizes-mb", "1", "--descs", "4,16", "--iters", "2", "--json"]
     )
-    assert bench.main(args) == 0
+    assert bench.main_from_args(args) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["transport"] == "tcp" and out["op"] == "write"
     assert [(p["size_bytes"], p["descs"]) for p in out["points"]] == [(1 << 20, 4), (1 << 20, 16)]

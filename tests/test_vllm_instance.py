@@ -16,15 +16,10 @@ import pytest
 from test_router_fake_instance import wait_for
 
 from pdserve.cli import parse_args
-from pdserve.launcher import (
-    InstanceSpec,
-    ManagedProcess,
-    config_from_args,
-    prefill_peer,
-    serve_command,
-)
+from pdserve.cluster.up_args import config_from_args
+from pdserve.launcher import InstanceSpec, ManagedProcess, prefill_peer, serve_command
+from pdserve.server.serve_args import main_from_args, vllm_config_from_args
 from pdserve.vllm import instance
-from pdserve.vllm import serve as vllm_serve
 from pdserve.vllm.instance import (
     VllmInstanceConfig,
     VllmNotFound,
@@ -152,7 +147,7 @@ def test_serve_flags_map_onto_the_vllm_instance() -> None:
          "decode", "--kv-transfer", "push", "--side-channel-port", "5605", "--port", "9001",
          "--dtype", "half", "--threads", "2", "--engine-id", "d0", "--vllm-arg=--enforce-eager"]
     )  # fmt: skip
-    cfg = vllm_serve.config_from_args(args)
+    cfg = vllm_config_from_args(args).instance
     assert (cfg.role, cfg.kv_transfer, cfg.connector) == ("decode", "push", "nixl")
     assert (cfg.port, cfg.side_port, cfg.dtype, cfg.threads) == (9001, 5605, "float16", 2)
     assert cfg.engine_id == "d0" and cfg.extra_args == ("--enforce-eager",)
@@ -160,7 +155,7 @@ def test_serve_flags_map_onto_the_vllm_instance() -> None:
 
 def test_serve_engine_vllm_with_a_builtin_model_exits_2(capsys: pytest.CaptureFixture) -> None:
     args = parse_args(["serve", "--engine", "vllm", "--vllm-python", sys.executable])
-    assert vllm_serve.main(args) == 2
+    assert main_from_args(args) == 2
     assert "make-checkpoint" in capsys.readouterr().err
 
 

@@ -20,7 +20,7 @@ from tqdm import tqdm
 from pdserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.types import EngineRequest, SamplingParams
-from pdserve.options import add_options, from_args, option
+from pdserve.options import add_options, option
 
 
 @dataclass(frozen=True)
@@ -97,11 +97,6 @@ def decode_tps(engine: LLMEngine, batch: int, ctx: int, steps: int, rng: random.
     while engine.has_work():
         engine.step()
     return batch * steps / elapsed
-
-
-def main(args: argparse.Namespace) -> int:
-    """Measure every model, print the table (or JSON)."""
-    return run(from_args(EngineBenchConfig, args))
 
 
 def run(cfg: EngineBenchConfig) -> int:

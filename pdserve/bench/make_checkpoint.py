@@ -66,16 +66,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_options(parser, MakeCheckpointConfig, only=("force",))
 
 
-def config_from_args(args: argparse.Namespace) -> MakeCheckpointConfig:
-    """The `MakeCheckpointConfig` of parsed flags."""
-    return from_args(MakeCheckpointConfig, args, shape=from_args(CheckpointShape, args))
-
-
-def main(args: argparse.Namespace) -> int:
-    """Write the checkpoint of the parsed flags; 1 if the directory exists without --force."""
-    return run(config_from_args(args))
-
-
 def run(cfg: MakeCheckpointConfig) -> int:
     """Write the checkpoint; 1 if the directory exists without `force`."""
     out = cfg.out
@@ -123,7 +113,9 @@ def write_checkpoint(shape: CheckpointShape, out: Path) -> None:
     (out / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2) + "\n")
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # as `pdserve bench make-checkpoint` (make_checkpoint_args.py)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_arguments(parser)
-    raise SystemExit(main(parser.parse_args()))
+    args = parser.parse_args()
+    shape = from_args(CheckpointShape, args)
+    raise SystemExit(run(from_args(MakeCheckpointConfig, args, shape=shape)))

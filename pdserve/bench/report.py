@@ -374,11 +374,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_options(parser, ReportConfig)
 
 
-def main(args: argparse.Namespace) -> int:
-    """Write the report of the parsed arguments and print its summary."""
-    return run(from_args(ReportConfig, args, results=tuple(args.results)))
-
-
 def run(cfg: ReportConfig) -> int:
     """Write the report and print its summary."""
     results = load_results(cfg.results)
@@ -388,7 +383,8 @@ def run(cfg: ReportConfig) -> int:
     return 0
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # as `pdserve bench report` (pdserve.bench.report_args)
     _parser = argparse.ArgumentParser(prog="python -m pdserve.bench.report")
     add_arguments(_parser)
-    raise SystemExit(main(_parser.parse_args()))
+    _args = _parser.parse_args()
+    raise SystemExit(run(from_args(ReportConfig, _args, results=tuple(_args.results))))

@@ -69,11 +69,10 @@ from pdserve.bench.metrics import (
     compute_metrics,
     extra_percentiles,
     json_number,
-    parse_goodput,
     per_request_arrays,
     save_result,
 )
-from pdserve.options import add_options, from_args, group_titled, option
+from pdserve.options import add_options, group_titled, key_value, option
 
 DEFAULT_NUM_PROMPTS = 100
 WARMUP_MAX_TOKENS = 16  # enough to go through prefill, KV handoff and a few decode steps
@@ -92,13 +91,6 @@ BACKENDS = {
 def is_chat_endpoint(endpoint: str) -> bool:
     """Whether requests to `endpoint` take chat bodies (its path ends in chat/completions)."""
     return endpoint.split("?")[0].rstrip("/").endswith("/chat/completions")
-
-
-def _key_value(item: str) -> tuple[str, str]:
-    key, sep, value = item.partition("=")
-    if not sep or not key.strip():
-        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {item!r}")
-    return key.strip(), value.strip()
 
 
 def _metric_list(text: str) -> tuple[str, ...]:
@@ -232,7 +224,7 @@ class BenchConfig:
         (),
         group=OUTPUT_GROUP,
         nargs="*",
-        parse=_key_value,
+        parse=key_value,
         metavar="KEY=VALUE",
         help="labels saved with the result, e.g. mode=push",
     )
@@ -528,7 +520,7 @@ def parse_cpu_list(text: str) -> frozenset[int]:
 @dataclass(frozen=True)
 class ServerAddress:
     """The server as `vllm bench serve` names it without `--base-url` and `--endpoint`:
-    `config_from_args` folds these into `BenchConfig.base_url` and `endpoint`."""
+    `pdserve.bench.serve_args` folds these into `BenchConfig.base_url` and `endpoint`."""
 
     host: str = option("127.0.0.1", metavar="HOST", help="server host without --base-url")
     port: int = option(8000, metavar="N", help="server port without --base-url")
@@ -619,21 +611,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 _SUMMARY = ("percentile_metrics", "metric_percentiles", "disable_tqdm")
 
 
-def config_from_args(args: argparse.Namespace) -> BenchConfig:
-    """BenchConfig from parsed flags; ValueError for an invalid combination."""
-    address = from_args(ServerAddress, args)
-    return from_args(
-        BenchConfig,
-        args,
-        base_url=args.base_url or f"http://{address.host}:{address.port}",
-        endpoint=address.endpoint(args.endpoint),
-        random=from_args(RandomDatasetConfig, args),
-        multiturn=from_args(MultiTurnConfig, args),
-        arrivals=from_args(ArrivalConfig, args),
-        goodput=tuple(parse_goodput(args.goodput).items()),
-    )
-
-
 def default_result_filename(result: BenchResult) -> str:
     """vLLM's shape: {label or backend}-{rate}qps[-concurrency{N}]-{model}-{date}.json, with
     the model's last path part and any character other than [A-Za-z0-9._-] as '-'."""
@@ -651,18 +628,6 @@ def result_path(output: ResultOutput, result: BenchResult) -> Path | None:
         return None
     name = output.save_result or output.result_filename or default_result_filename(result)
     return (output.result_dir or Path()) / name
-
-
-def main(args: argparse.Namespace) -> int:
-    """Run, print the summary, save the JSON if asked. 1 if nothing completed, 2 for flags
-    that do not go together."""
-    try:
-        output = from_args(ResultOutput, args)
-        cfg = config_from_args(args)
-    except ValueError as exc:
-        print(f"pdserve bench serve: error: {exc}", file=sys.stderr)
-        return 2
-    return run(cfg, output, from_args(BenchProcess, args))
 
 
 def run(cfg: BenchConfig, output: ResultOutput, process: BenchProcess) -> int:

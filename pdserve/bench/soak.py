@@ -87,7 +87,7 @@ from pdserve.bench.soak_traffic import (
 )
 from pdserve.config import TransferMode, TransportKind
 from pdserve.launcher import Cluster, ClusterConfig, ClusterError
-from pdserve.options import add_options, from_args, option
+from pdserve.options import add_options, option
 from pdserve.supervisor import Event, Supervisor, describe
 from pdserve.transfer.cluster_auth import route_headers
 
@@ -579,7 +579,7 @@ def _log_event(event: Event) -> None:
 @dataclass(frozen=True)
 class SoakCommand:
     """The `pdserve bench soak` flags that are not a `SoakConfig` field as such:
-    `config_from_args` turns them into its fields."""
+    `pdserve.bench.soak_args` turns them into its fields."""
 
     duration_min: float = option(SoakConfig.duration_s / 60, help="")  # -> duration_s
     restart: bool = option(True, flag="--no-restart", help="no prefill restart")
@@ -614,25 +614,9 @@ _REST = (
 )
 
 
-def config_from_args(args: argparse.Namespace) -> SoakConfig:
-    """SoakConfig of parsed flags; ValueError for an invalid combination."""
-    cmd = from_args(SoakCommand, args)
-    extra = list(args.instance_args)
-    return from_args(
-        SoakConfig,
-        args,
-        duration_s=cmd.duration_min * 60,
-        traffic=from_args(TrafficConfig, args),
-        restart_at=None if not cmd.restart or args.kill_every else args.restart_at,
-        instance_args=tuple(extra[1:] if extra[:1] == ["--"] else extra),
-        progress=False if cmd.disable_tqdm else None,
-    )
-
-
-def main(args: argparse.Namespace) -> int:
+def run(cfg: SoakConfig) -> int:
     """Run the soak, print the summary; 1 on leaks or wrong outputs, 2 if it could not run."""
     try:
-        cfg = config_from_args(args)
         result, path = run_soak(cfg)
     except (ClusterError, EndpointError, ValueError) as exc:
         print(f"pdserve bench soak: {exc}", file=sys.stderr)

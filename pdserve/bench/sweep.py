@@ -31,10 +31,8 @@ import asyncio
 import contextlib
 import math
 import os
-import shlex
 import signal
 import subprocess
-import sys
 import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -57,7 +55,7 @@ from pdserve.bench.sweep_report import (
 )
 from pdserve.config import TransportKind
 from pdserve.launcher import Cluster, ClusterConfig, ClusterError, assign_cores
-from pdserve.options import add_options, from_args, group_titled, option
+from pdserve.options import add_options, group_titled, option
 
 # mono1: one monolithic instance on the prefill instance's core(s) alone, so its TTFT has P's
 # compute and no transfer: the floor that issue 8's light-load TTFT target compares push with.
@@ -564,21 +562,6 @@ _GRID = (
 _OUTPUT = ("prefill_tok_s", "calibrate", "out_dir", "disable_tqdm")
 
 
-def config_from_args(args: argparse.Namespace) -> SweepConfig:
-    """SweepConfig of parsed flags; ValueError for an invalid combination."""
-    extra = list(args.instance_args)
-    if extra[:1] == ["--"]:
-        extra = extra[1:]
-    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
-    return from_args(
-        SweepConfig,
-        args,
-        out_dir=args.out_dir or Path("results") / f"sweep-{stamp}",
-        instance_args=tuple(extra),
-        disable_tqdm=args.disable_tqdm or not sys.stderr.isatty(),
-    )
-
-
 @contextlib.contextmanager
 def sigterm_as_interrupt() -> Iterator[None]:
     """Within the block SIGTERM and SIGHUP raise KeyboardInterrupt like Ctrl-C, so a killed
@@ -609,14 +592,10 @@ def sweep_and_report(
     return manifest, files
 
 
-def main(args: argparse.Namespace) -> int:
-    """0 when every point ran with no failed request; 1 otherwise; 130 if interrupted."""
-    try:
-        cfg = config_from_args(args)
-    except ValueError as exc:
-        print(f"pdserve bench sweep: {exc}", file=sys.stderr)
-        return 2
-    manifest, _ = sweep_and_report(cfg, shlex.join(["pdserve", *sys.argv[1:]]))
+def run(cfg: SweepConfig, command: str) -> int:
+    """Run the sweep and its report (`command`: the command line it records); 0 when every
+    point ran with no failed request, 1 otherwise, 130 if interrupted."""
+    manifest, _ = sweep_and_report(cfg, command)
     if manifest.interrupted:
         return 130
     clean = all(p.error is None and p.failed == 0 for p in manifest.points)

@@ -30,7 +30,7 @@ import numpy as np
 from tqdm import tqdm
 
 from pdserve.config import TransportConfig
-from pdserve.options import add_options, from_args, option
+from pdserve.options import add_options, option
 from pdserve.transfer.transport import TransferState, Transport, create_transport
 from pdserve.transfer.transport.base import BackendUnavailableError
 from pdserve.transfer.transport.tcp import TcpOptions, TcpTransport
@@ -373,11 +373,6 @@ def _goals(points: list[Point], kind: str) -> list[str]:
         f"({worst.size_bytes // MB} MB x {worst.descs}); "
         f"{len(rated) - len(below)}/{len(rated)} points met"
     ]
-
-
-def main(args: argparse.Namespace) -> int:
-    """Run the benchmark of the parsed flags; 2 when the backend is unavailable."""
-    return run(from_args(TransportBenchConfig, args))
 
 
 def run(cfg: TransportBenchConfig) -> int:

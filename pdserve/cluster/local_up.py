@@ -14,38 +14,39 @@ Here, above both the launcher and the supervisor, so that neither imports the ot
 
 from __future__ import annotations
 
-import argparse
 import logging
 import signal
 import sys
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from pdserve.launcher import (
-    Cluster,
-    ClusterError,
-    ManagedProcess,
-    config_from_args,
-    restart_policy_from_args,
-)
-from pdserve.restarts import GiveUp
+from pdserve.launcher import Cluster, ClusterConfig, ClusterError, ManagedProcess
+from pdserve.restarts import GiveUp, RestartPolicy
 from pdserve.server.exposure import up_warning
 from pdserve.supervisor import ChildBack, ChildFailed, Event, Supervisor, describe
 
 log = logging.getLogger(__name__)
 
 
-def main(args: argparse.Namespace) -> int:
+@dataclass(frozen=True)
+class LocalUpCommand:
+    """What `pdserve up` runs on one host (built from its flags by pdserve.cluster.up_args):
+    the cluster, how its children are restarted, and whether a clean exit keeps a temporary
+    log folder."""
+
+    cluster: ClusterConfig
+    restarts: RestartPolicy = field(default_factory=RestartPolicy)
+    keep_logs: bool = False
+
+
+def main(up: LocalUpCommand) -> int:
     """Start the cluster, print where it is, and supervise it (restarting children that die)
     until Ctrl-C or SIGTERM, or until it cannot serve any more (exit status 1)."""
     logging.basicConfig(level=logging.INFO, format="pdserve up: %(message)s")
-    try:
-        policy = restart_policy_from_args(args)
-    except ValueError as exc:
-        print(f"pdserve up: {exc}", file=sys.stderr, flush=True)
-        return 2
-    cluster = Cluster(config_from_args(args))
+    policy = up.restarts
+    cluster = Cluster(up.cluster)
     if warning := up_warning(cluster.config.host, cluster.config.api_key):
         log.warning("WARNING: %s", warning)  # this format shows no level name
     stop = _StopRequest()
@@ -60,7 +61,7 @@ def main(args: argparse.Namespace) -> int:
         cluster.stop()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-        _after_stop(cluster, status, keep_logs=args.keep_logs)
+        _after_stop(cluster, status, keep_logs=up.keep_logs)
 
 
 def _run(cluster: Cluster, supervisor: Callable[[], Supervisor], stop: _StopRequest) -> int:

@@ -15,7 +15,6 @@ Ray actor classes (imported lazily, so this module loads without Ray).
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import threading
@@ -83,13 +82,14 @@ class InstanceHost:
         import ray
 
         from pdserve.server.serve import main as serve_main
+        from pdserve.server.serve_args import config_from_argv
 
         os.environ[TOKEN_ENV] = cluster_token  # what `pdserve serve` reads
         host = node_ip()
         port, side_port = free_ports(2, host)
-        args = _serve_args(spec.serve_argv(host, port, side_port))
+        cfg = config_from_argv(spec.serve_argv(host, port, side_port))
         self.url = f"http://{host}:{port}"
-        server = Thread(target=serve_main, args=(args, spec.faults), name="pdserve-serve")
+        server = Thread(target=serve_main, args=(cfg, spec.faults), name="pdserve-serve")
         server.start()
         Thread(target=_exit_after, args=(server,), daemon=True).start()
         _wait_serving(self.url, server, spec.startup_timeout_s)
@@ -102,17 +102,6 @@ class InstanceHost:
     def record(self) -> InstanceRecord:
         """Where this incarnation serves (the registry's copy, with its restart count)."""
         return self._record
-
-
-def _serve_args(argv: list[str]) -> argparse.Namespace:
-    """`pdserve serve`'s parsed flags, as its command line would give them."""
-    from pdserve.server import serve
-
-    parser = argparse.ArgumentParser(prog="pdserve serve")
-    serve.add_arguments(parser)
-    args = parser.parse_args(argv)
-    serve.check_args(args, parser)
-    return args
 
 
 def _registry_role(role: ActorRole) -> Literal["prefill", "decode"]:

@@ -12,14 +12,14 @@ from dataclasses import dataclass
 
 from pdserve.cluster.ray_cluster import RayClusterConfig
 from pdserve.cluster.ray_local import RAY_GROUP, RayConnection
-from pdserve.launcher import config_from_args
+from pdserve.launcher import ClusterConfig
 from pdserve.options import add_options, from_args, option
 from pdserve.planner.config import PLANNER_GROUP, PlannerConfig
 
 
 @dataclass(frozen=True)
 class UpOnRay:
-    """Whether `pdserve up` runs on Ray, and with the planner (`pdserve.cluster.up` chooses
+    """Whether `pdserve up` runs on Ray, and with the planner (`pdserve.cluster.up_args` chooses
     by them)."""
 
     ray: bool = option(False, help="start the cluster on Ray")
@@ -52,10 +52,11 @@ def up_on_ray(args: argparse.Namespace) -> UpOnRay:
     return from_args(UpOnRay, args)
 
 
-def ray_config_from_args(args: argparse.Namespace) -> RayClusterConfig:
-    """The `RayClusterConfig` of parsed `pdserve up --ray` flags."""
+def ray_config_from_args(args: argparse.Namespace, cluster: ClusterConfig) -> RayClusterConfig:
+    """The `RayClusterConfig` of parsed `pdserve up --ray` flags, for `cluster` (the
+    launcher's flags' config, pdserve.cluster.up_args)."""
     connection = from_args(RayConnection, args)
-    return from_args(RayClusterConfig, args, cluster=config_from_args(args), connection=connection)
+    return from_args(RayClusterConfig, args, cluster=cluster, connection=connection)
 
 
 def planner_config_from_args(args: argparse.Namespace) -> PlannerConfig:

@@ -8,35 +8,36 @@ or SIGTERM stops the actors (and a local Ray cluster).
 
 from __future__ import annotations
 
-import argparse
 import logging
 import secrets
 import signal
 import sys
 import threading
 import time
+from dataclasses import dataclass
 
-from pdserve.cluster.ray_args import planner_config_from_args, ray_config_from_args
-from pdserve.cluster.ray_cluster import RayCluster
+from pdserve.cluster.ray_cluster import RayCluster, RayClusterConfig
 from pdserve.cluster.registry import InstanceRecord
 from pdserve.launcher import TOKEN_ENV
+from pdserve.planner.config import PlannerConfig
 
 WATCH_INTERVAL_S = 1.0
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
-def main(args: argparse.Namespace) -> int:
+@dataclass(frozen=True)
+class RayUpCommand:
+    """What `pdserve up --ray` runs (built from its flags by pdserve.cluster.up_args): a P/D
+    cluster on Ray, and the planner's config with `--planner` (None: no planner)."""
+
+    cluster: RayClusterConfig
+    planner: PlannerConfig | None = None
+
+
+def main(up: RayUpCommand) -> int:
     """Start on Ray, print the table, watch (and plan) until a stop signal."""
     logging.basicConfig(level=logging.INFO, format="pdserve up: %(message)s")
-    if args.monolithic:
-        print("pdserve up: --ray starts a P/D cluster (use --kv-transfer)", file=sys.stderr)
-        return 2
-    try:
-        config = ray_config_from_args(args)
-        planner = planner_config_from_args(args) if args.planner else None
-    except ValueError as exc:
-        print(f"pdserve up: {exc}", file=sys.stderr)
-        return 2
+    config, planner = up.cluster, up.planner
     token = config.cluster.cluster_token or secrets.token_hex(16)
     cluster = RayCluster(config, token)
     stop = _StopRequest()
@@ -75,11 +76,10 @@ class _StopRequest:
         self.requested.set()
 
 
-def _watch(cluster: RayCluster, stop: threading.Event, planner: object) -> None:
+def _watch(cluster: RayCluster, stop: threading.Event, planner: PlannerConfig | None) -> None:
     from pdserve.cluster.planner_loop import RayPlannerLoop
-    from pdserve.planner.config import PlannerConfig
 
-    loop = RayPlannerLoop(cluster, planner) if isinstance(planner, PlannerConfig) else None
+    loop = RayPlannerLoop(cluster, planner) if planner is not None else None
     next_plan = time.monotonic() + (loop.cfg.interval_s if loop else 0.0)
     while not stop.wait(WATCH_INTERVAL_S):
         changes = cluster.changes()

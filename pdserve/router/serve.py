@@ -1,21 +1,21 @@
-"""`pdserve router`: run the OpenAI-compatible P/D router in front of running instances."""
+"""`pdserve router`: run the OpenAI-compatible P/D router in front of running instances.
+
+Its flags, and the `RouterCommand` built from them: pdserve.router.serve_args."""
 
 from __future__ import annotations
 
-import argparse
 import logging
 import socket
 from dataclasses import dataclass
 
 from pdserve.config import LogLevel
 from pdserve.httpd.bootstrap import LISTEN_BACKLOG, serve_app
-from pdserve.options import add_options, from_args, option
+from pdserve.options import option
 from pdserve.ports import EXIT_ADDRESS_IN_USE, bind_socket, is_address_in_use
 from pdserve.router.app import create_app
 from pdserve.router.config import RouterConfig
 from pdserve.router.membership import MembershipSource
 from pdserve.server.exposure import router_warning
-from pdserve.transfer.release import token_from_env
 
 log = logging.getLogger(__name__)
 
@@ -30,34 +30,17 @@ class RouterProcess:
     access_log: bool = option(False, help="log every HTTP request")
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Flags of `pdserve router` (declared on `RouterConfig` and `RouterProcess`)."""
-    add_options(parser, RouterConfig)
-    add_options(parser, RouterProcess)
+@dataclass(frozen=True)
+class RouterCommand:
+    """What `pdserve router` runs (built from its flags by pdserve.router.serve_args)."""
+
+    router: RouterConfig
+    process: RouterProcess = RouterProcess()
 
 
-def config_from_args(args: argparse.Namespace) -> RouterConfig:
-    """The `RouterConfig` of parsed `pdserve router` arguments."""
-    return from_args(
-        RouterConfig,
-        args,
-        api_key=args.api_key or None,
-        cluster_token=token_from_env(args.cluster_token),
-    )
-
-
-def check_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
-    """After parsing: the combination makes a `RouterConfig` (`parser.error` otherwise)."""
-    try:
-        config_from_args(args)
-    except ValueError as exc:
-        parser.error(str(exc))
-
-
-def main(args: argparse.Namespace) -> int:
+def main(cfg: RouterCommand) -> int:
     """Serve until interrupted."""
-    config = config_from_args(args)
-    proc = from_args(RouterProcess, args)
+    config, proc = cfg.router, cfg.process
     logging.basicConfig(
         level=proc.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )

@@ -10,52 +10,89 @@ This module is imported by `pdserve --help`, so it imports nothing heavy at modu
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import socket
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from pdserve.config import API_KEY_ENV, ConnectorConfig, EngineConfig, ServerConfig, TransportConfig
+from pdserve.config import (
+    API_KEY_ENV,
+    HTTP_GROUP,
+    ConnectorConfig,
+    EngineConfig,
+    LogLevel,
+    ServerConfig,
+    TransportConfig,
+)
 from pdserve.faults import NO_FAULTS, Faults
 from pdserve.httpd.bootstrap import LISTEN_BACKLOG, serve_app
+from pdserve.options import option
 from pdserve.ports import EXIT_ADDRESS_IN_USE, bind_socket, is_address_in_use
 from pdserve.server.exposure import serve_warning
-from pdserve.server.serve_args import (
-    ServeProcess,
-    add_arguments,
-    check_args,
-    configs_from_args,
-    pd_configs_from_args,
-    process_from_args,
-)
 from pdserve.vllm import serve as vllm_serve
 
 if TYPE_CHECKING:
     from pdserve.engine.handle import EngineHandle
 
-__all__ = ["API_KEY_ENV", "add_arguments", "check_args", "configs_from_args", "main"]
+__all__ = ["API_KEY_ENV", "ServeCommand", "ServeProcess", "main"]
 
 log = logging.getLogger("pdserve.serve")
 
 SHUTDOWN_GRACE_S = 5.0  # in-flight requests get this long to finish on SIGTERM
 
 
-def main(args: argparse.Namespace, faults: Faults = NO_FAULTS) -> int:
-    """Run one instance until SIGTERM/SIGINT; returns the exit status. `faults`: what a test
-    breaks in it (pdserve.faults; tests/fault_serve.py), never set from a flag."""
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+# The connector's and transport's configs of a P/D role; None for a monolithic instance.
+PdConfigs = tuple[ConnectorConfig, TransportConfig] | None
+
+
+@dataclass(frozen=True)
+class ServeProcess:
+    """How the `pdserve serve` process runs its engine, and how much it logs."""
+
+    engine_process: bool = option(
+        False,
+        help="run the engine loop in a child process with its own interpreter, so the HTTP "
+        "front end (parsing, formatting and sending streams) never holds the GIL the engine "
+        "needs; costs one IPC hop per step. Off by default: on 2 cores it did not improve "
+        "TPOT (docs/results.md, 'engine loop in its own process')",
     )
-    if args.engine == "vllm":  # this process becomes the vLLM instance (pdserve.vllm)
-        return vllm_serve.main(args)
+    log_level: LogLevel = option(
+        "info", group=HTTP_GROUP, help="log verbosity (default: %(default)s)"
+    )
+
+
+@dataclass(frozen=True)
+class ServeCommand:
+    """One `pdserve serve` instance on pdserve's engine: what `main` runs (built from the
+    flags by pdserve.server.serve_args). The address `pd` tells peers is resolved at start
+    (`advertised`): a wildcard `--kv-host` without `--kv-advertise-host` fails there, after
+    the exposure warning, with the other flags that cannot work (exit status 2)."""
+
+    engine: EngineConfig
+    server: ServerConfig
+    process: ServeProcess = ServeProcess()
+    pd: PdConfigs = None
+
+
+def main(cfg: ServeCommand | vllm_serve.VllmServeCommand, faults: Faults = NO_FAULTS) -> int:
+    """Run one instance until SIGTERM/SIGINT; returns the exit status. A `VllmServeCommand`
+    makes this process the vLLM instance (pdserve.vllm). `faults`: what a test breaks in it
+    (pdserve.faults; tests/fault_serve.py), never set from a flag."""
+    if isinstance(cfg, vllm_serve.VllmServeCommand):  # this process becomes vLLM's server
+        _log_to_stderr(cfg.instance.log_level)
+        return vllm_serve.main(cfg)
+    _log_to_stderr(cfg.process.log_level)
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # NIXL logs INFO to stdout otherwise
-    engine_cfg, server_cfg = configs_from_args(args)
-    engine_cfg = replace(engine_cfg, faults=faults)
-    proc = process_from_args(args)
-    if warning := serve_warning(args.role, args.host, args.kv_host, args.cluster_token):
-        log.warning("%s", warning)
+    engine_cfg = replace(cfg.engine, faults=faults)
+    server_cfg = cfg.server
+    if cfg.pd is not None:
+        connector = cfg.pd[0]
+        warning = serve_warning(
+            connector.role, server_cfg.host, connector.side_host, connector.cluster_token
+        )
+        if warning:
+            log.warning("%s", warning)
     try:
         # Bound before the model loads, listening only after: until then connections are
         # refused (health probes fail fast) instead of queueing.
@@ -65,37 +102,42 @@ def main(args: argparse.Namespace, faults: Faults = NO_FAULTS) -> int:
         return EXIT_ADDRESS_IN_USE if is_address_in_use(exc) else 1
     with sock:
         log.info("loading %s", engine_cfg.model.model)
-        engine = _start_engine(proc, engine_cfg, args, faults)
+        engine = _start_engine(cfg, engine_cfg, faults)
         if isinstance(engine, int):
             return engine
         try:
             if not _listen(sock):
                 return EXIT_ADDRESS_IN_USE
-            _serve_http(engine, server_cfg, sock, proc.log_level)
+            _serve_http(engine, server_cfg, sock, cfg.process.log_level)
         finally:
             engine.shutdown()
             log.info("engine stopped")
     return 0
 
 
+def _log_to_stderr(level: str) -> None:
+    logging.basicConfig(
+        level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+
+
 def _start_engine(
-    proc: ServeProcess, cfg: EngineConfig, args: argparse.Namespace, faults: Faults
+    cfg: ServeCommand, engine_cfg: EngineConfig, faults: Faults
 ) -> EngineHandle | int:
     """The running engine (in a thread, or with `--engine-process` in a child process), or
-    the exit status if it cannot be built (logged): 2 for flags that cannot work, 98 for a
-    taken side-channel port. `args` gives the P/D configs, built here so that a bad
-    `--kv-host` is one of the flags that cannot work."""
+    the exit status if it cannot be built (logged): 2 for flags that cannot work (a wildcard
+    `--kv-host` without `--kv-advertise-host` among them), 98 for a taken side-channel port."""
     # Imported here: torch (in-thread) loads only once the HTTP port is ours.
     from pdserve.engine.core_client import CoreStartError
     from pdserve.transfer.transport import BackendUnavailableError
 
     try:
-        pd = pd_configs_from_args(args)
+        pd = advertised(cfg.pd)
         if pd is not None:  # the transfer faults a test asked for (pdserve.faults)
             pd = (replace(pd[0], faults=faults), pd[1])
-        if proc.engine_process:
-            return _engine_process(cfg, pd, proc.log_level)
-        return _engine_thread(cfg, pd)
+        if cfg.process.engine_process:
+            return _engine_process(engine_cfg, pd, cfg.process.log_level)
+        return _engine_thread(engine_cfg, pd)
     except (ValueError, FileNotFoundError, BackendUnavailableError) as exc:  # the message says why
         log.error("%s", exc)
         return 2
@@ -109,7 +151,17 @@ def _start_engine(
         return EXIT_ADDRESS_IN_USE
 
 
-PdConfigs = tuple[ConnectorConfig, TransportConfig] | None
+def advertised(pd: PdConfigs) -> PdConfigs:
+    """`pd` with the address peers are told filled in: `--kv-advertise-host`, else
+    `--kv-host`; ValueError for a wildcard `--kv-host` without it (peers cannot dial it)."""
+    if pd is None:
+        return None
+    # Imported here: the transport package pulls numpy, and `serve --help` should not.
+    from pdserve.transfer.transport.handshake import advertised_host
+
+    connector, transport = pd
+    host = advertised_host(connector.side_host, connector.side_advertise_host)
+    return replace(connector, side_advertise_host=host), replace(transport, advertise_host=host)
 
 
 def _engine_thread(cfg: EngineConfig, pd: PdConfigs) -> EngineHandle:

@@ -1,49 +1,36 @@
 """The flags of `pdserve serve` and the configs built from them.
 
-Each flag is declared once, on the config field it sets (pdserve.config; `ServeProcess` below
-for the two that only this command reads); this module lists them on the parser in `--help`'s
-order and turns the parsed namespace into configs. The namespace goes no further: the
-engine, the connector and the server get configs.
+Each flag is declared once, on the config field it sets (pdserve.config; `ServeProcess` in
+pdserve.server.serve for the two that only this command reads); this module lists them on
+the parser in `--help`'s order and turns the parsed namespace into the command's config
+(`ServeCommand`, or `VllmServeCommand` with `--engine vllm`). The namespace goes no further:
+`pdserve.server.serve.main` and everything below it get configs.
 """
 
 from __future__ import annotations
 
 import argparse
 import secrets
-from dataclasses import dataclass
+import sys
+from collections.abc import Sequence
 
 from pdserve.config import (
-    HTTP_GROUP,
     PD_GROUP,
     CacheConfig,
     ConnectorConfig,
     EngineConfig,
-    LogLevel,
     ModelConfig,
     SchedulerConfig,
     ServerConfig,
     TransportConfig,
 )
-from pdserve.options import add_options, from_args, option
-from pdserve.server import vllm_forms
+from pdserve.faults import NO_FAULTS, Faults
+from pdserve.options import add_options, from_args
+from pdserve.server import serve, vllm_forms
+from pdserve.server.serve import PdConfigs, ServeCommand, ServeProcess
 from pdserve.vllm import serve as vllm_serve
-
-
-@dataclass(frozen=True)
-class ServeProcess:
-    """How the `pdserve serve` process runs its engine, and how much it logs."""
-
-    engine_process: bool = option(
-        False,
-        help="run the engine loop in a child process with its own interpreter, so the HTTP "
-        "front end (parsing, formatting and sending streams) never holds the GIL the engine "
-        "needs; costs one IPC hop per step. Off by default: on 2 cores it did not improve "
-        "TPOT (docs/results.md, 'engine loop in its own process')",
-    )
-    log_level: LogLevel = option(
-        "info", group=HTTP_GROUP, help="log verbosity (default: %(default)s)"
-    )
-
+from pdserve.vllm.instance import VllmInstanceConfig
+from pdserve.vllm.serve import VllmServeCommand
 
 # ConnectorConfig's flags that bound work for transfers nobody finishes.
 _LIMITS = (
@@ -100,6 +87,38 @@ def check_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Non
     vllm_forms.apply(args, parser)
 
 
+def main_from_args(args: argparse.Namespace, faults: Faults = NO_FAULTS) -> int:
+    """`pdserve serve` on its parsed flags (`faults`: tests/fault_serve.py's); 2 when
+    `--engine vllm` has no vLLM instance of them."""
+    if args.engine != "vllm":
+        return serve.main(config_from_args(args), faults)
+    try:
+        cfg = vllm_config_from_args(args)
+    except ValueError as exc:
+        print(f"pdserve serve: {exc}", file=sys.stderr, flush=True)
+        return 2
+    return serve.main(cfg, faults)
+
+
+def config_from_argv(argv: Sequence[str]) -> ServeCommand | VllmServeCommand:
+    """The config of a `pdserve serve` command line (its flags, without `serve`); exits
+    with a usage error as the command would (pdserve.cluster's instance actors)."""
+    parser = argparse.ArgumentParser(prog="pdserve serve")
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    check_args(args, parser)
+    return config_from_args(args)
+
+
+def config_from_args(args: argparse.Namespace) -> ServeCommand | VllmServeCommand:
+    """The command's config: pdserve's instance, or with `--engine vllm` vLLM's
+    (ValueError if the flags describe none)."""
+    if args.engine == "vllm":
+        return vllm_config_from_args(args)
+    engine, server = configs_from_args(args)
+    return ServeCommand(engine, server, from_args(ServeProcess, args), pd_configs_from_args(args))
+
+
 def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerConfig]:
     """The frozen configs described by the parsed flags."""
     engine = from_args(
@@ -115,26 +134,38 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
     return engine, from_args(ServerConfig, args, cluster_token=token)
 
 
-def process_from_args(args: argparse.Namespace) -> ServeProcess:
-    return from_args(ServeProcess, args)
-
-
-def pd_configs_from_args(
-    args: argparse.Namespace,
-) -> tuple[ConnectorConfig, TransportConfig] | None:
+def pd_configs_from_args(args: argparse.Namespace) -> PdConfigs:
     """The connector's and transport's configs of a P/D role; None for a monolithic
-    instance. ValueError (at start-up, before the model loads) for a wildcard `--kv-host`
-    without `--kv-advertise-host`."""
+    instance. The address peers are told is `--kv-advertise-host` as given (None without
+    it): `pdserve.server.serve.advertised` resolves it at start-up."""
     if args.role == "both":
         return None
-    # Imported here: the transport package pulls numpy, and `serve --help` should not.
-    from pdserve.transfer.transport.handshake import advertised_host
-
-    advertise = advertised_host(args.kv_host, args.kv_advertise_host)
     connector = from_args(
-        ConnectorConfig,
-        args,
-        engine_id=args.engine_id or f"{args.role}-{secrets.token_hex(4)}",
-        side_advertise_host=advertise,
+        ConnectorConfig, args, engine_id=args.engine_id or f"{args.role}-{secrets.token_hex(4)}"
     )
-    return connector, from_args(TransportConfig, args, advertise_host=advertise)
+    return connector, from_args(TransportConfig, args, advertise_host=args.kv_advertise_host)
+
+
+def vllm_config_from_args(args: argparse.Namespace) -> VllmServeCommand:
+    """The vLLM instance the parsed `pdserve serve` flags describe (ValueError if none)."""
+    instance = VllmInstanceConfig(
+        model=args.model,
+        host=args.host,
+        port=args.port,
+        role=args.role,
+        kv_transfer=args.kv_transfer,
+        connector=args.connector,
+        transport=args.transport,
+        engine_id=args.engine_id,
+        side_host=args.kv_host,
+        side_port=args.side_channel_port or None,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        seed=args.seed,
+        served_model_name=args.served_model_name,
+        kv_cache_gib=args.kv_cache_memory,
+        threads=args.threads,
+        log_level=args.log_level,
+        extra_args=tuple(args.vllm_arg),
+    )
+    return VllmServeCommand(instance, vllm_python=args.vllm_python, api_key=args.api_key or None)

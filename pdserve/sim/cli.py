@@ -10,6 +10,9 @@ side (`python -m pdserve.bench.report measured/*.json simulated/*.json`).
     pdserve sim --sweep --input-lens 1024 4096 16384 --rates 1 2 4 8 --out sim-results/
     pdserve sim --list-profiles
     pdserve sim --validate seed-p5en
+
+`run` does what a `SimCommand` asks on a workload; pdserve.sim.sim_args builds both from the
+flags.
 """
 
 from __future__ import annotations
@@ -23,9 +26,9 @@ from pathlib import Path
 
 from pdserve.bench.arrivals import ArrivalConfig
 from pdserve.bench.dataset import RandomDatasetConfig, TraceError
-from pdserve.bench.metrics import BenchResult, parse_goodput, save_result
+from pdserve.bench.metrics import BenchResult, save_result
 from pdserve.bench.serve import BenchConfig
-from pdserve.options import add_options, from_args, option
+from pdserve.options import add_options, key_value, option
 from pdserve.sim.cluster_config import ClusterConfig, Mode
 from pdserve.sim.profiles import (
     builtin_names,
@@ -36,15 +39,6 @@ from pdserve.sim.profiles import (
 )
 from pdserve.sim.run import SimConfig, run_sim
 from pdserve.sim.sweep import result_name, run_sweep
-
-DEFAULT_NUM_PROMPTS = 100
-
-
-def _key_value(item: str) -> tuple[str, str]:
-    key, sep, value = item.partition("=")
-    if not sep or not key.strip():
-        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {item!r}")
-    return key.strip(), value.strip()
 
 
 @dataclass(frozen=True)
@@ -67,7 +61,7 @@ class SimCommand:
         (),
         flag="--set",
         nargs="*",
-        parse=_key_value,
+        parse=key_value,
         metavar="SECTION.FIELD=VALUE",
         help="override a profile field, e.g. software.per_descriptor_s=1e-6 "
         "hardware.flops_efficiency=0.5",
@@ -140,19 +134,6 @@ def _overrides(items: Sequence[tuple[str, str]]) -> dict[str, dict[str, str]]:
     return sections
 
 
-def workload_from_args(args: argparse.Namespace) -> BenchConfig:
-    """The simulated workload of parsed flags (`pdserve bench serve`'s); ValueError if bad."""
-    return from_args(
-        BenchConfig,
-        args,
-        model=None,  # `--model` is the simulated model's profile here, not a served name
-        random=from_args(RandomDatasetConfig, args),
-        num_prompts=args.num_prompts or (None if args.dataset_path else DEFAULT_NUM_PROMPTS),
-        arrivals=from_args(ArrivalConfig, args),
-        goodput=tuple(parse_goodput(args.goodput).items()),
-    )
-
-
 def sim_config(cmd: SimCommand, workload: BenchConfig) -> SimConfig:
     """The base SimConfig (first mode): the profiles loaded, with `--set`'s overrides;
     ValueError when invalid."""
@@ -172,11 +153,6 @@ def sim_config(cmd: SimCommand, workload: BenchConfig) -> SimConfig:
         warm=workload.num_warmups > 0,
     )
     return SimConfig(cluster=cluster, workload=workload)
-
-
-def config_from_args(args: argparse.Namespace) -> SimConfig:
-    """The base SimConfig (first mode) from parsed flags; ValueError when invalid."""
-    return sim_config(from_args(SimCommand, args), workload_from_args(args))
 
 
 def _list_profiles() -> str:
@@ -221,17 +197,6 @@ def _run(cmd: SimCommand, workload: BenchConfig) -> list[BenchResult]:
             save_result(result, cmd.out / result_name(result))
         results.append(result)
     return results
-
-
-def main(args: argparse.Namespace) -> int:
-    """Simulate, print the summary, save JSONs and the report as asked."""
-    cmd = from_args(SimCommand, args)
-    try:
-        workload = workload_from_args(args)
-    except ValueError as exc:
-        print(f"pdserve sim: {exc}", file=sys.stderr)
-        return 1
-    return run(cmd, workload)
 
 
 def run(cmd: SimCommand, workload: BenchConfig) -> int:

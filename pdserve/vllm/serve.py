@@ -3,7 +3,8 @@
 The flags of `pdserve serve` that mean the same for vLLM are mapped onto it (model, dtype,
 max model length, seed, served name, host, port, KV cache GiB, threads, log level, role,
 transfer mode, transport, engine id, side channel); `--vllm-arg` passes anything else to
-vLLM as given. pdserve's scheduler flags are not mapped (vLLM keeps its own defaults).
+vLLM as given (the mapping: pdserve.server.serve_args). pdserve's scheduler flags are not
+mapped (vLLM keeps its own defaults).
 """
 
 from __future__ import annotations
@@ -67,47 +68,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_options(parser, EngineChoice)
 
 
-def config_from_args(args: argparse.Namespace) -> VllmInstanceConfig:
-    """The vLLM instance the parsed `pdserve serve` flags describe (ValueError if none)."""
-    return VllmInstanceConfig(
-        model=args.model,
-        host=args.host,
-        port=args.port,
-        role=args.role,
-        kv_transfer=args.kv_transfer,
-        connector=args.connector,
-        transport=args.transport,
-        engine_id=args.engine_id,
-        side_host=args.kv_host,
-        side_port=args.side_channel_port or None,
-        dtype=args.dtype,
-        max_model_len=args.max_model_len,
-        seed=args.seed,
-        served_model_name=args.served_model_name,
-        kv_cache_gib=args.kv_cache_memory,
-        threads=args.threads,
-        log_level=args.log_level,
-        extra_args=tuple(args.vllm_arg),
-    )
+@dataclass(frozen=True)
+class VllmServeCommand:
+    """`pdserve serve --engine vllm`: the vLLM instance, the python that runs it (None:
+    `find_vllm_python`'s default) and the API key it requires (None: none), which travels in
+    vLLM's environment, never on its command line. Built from the flags by
+    pdserve.server.serve_args."""
+
+    instance: VllmInstanceConfig
+    vllm_python: str | None = None
+    api_key: str | None = None
 
 
-def main(args: argparse.Namespace) -> int:
+def main(cfg: VllmServeCommand) -> int:
     """Replace this process with the vLLM instance; returns only on an error (its status)."""
     try:
-        cfg = config_from_args(args)
-        python = find_vllm_python(args.vllm_python)
-    except (ValueError, VllmNotFound) as exc:
+        python = find_vllm_python(cfg.vllm_python)
+    except VllmNotFound as exc:
         print(f"pdserve serve: {exc}", file=sys.stderr, flush=True)
         return 2
+    instance = cfg.instance
     try:  # a taken port: say so now, with the status `pdserve up` retries on
-        bind_socket(cfg.host, cfg.port).close()
+        bind_socket(instance.host, instance.port).close()
     except OSError as exc:
-        log.error("cannot listen on %s:%d: %s", cfg.host, cfg.port, exc)
+        log.error("cannot listen on %s:%d: %s", instance.host, instance.port, exc)
         return EXIT_ADDRESS_IN_USE if is_address_in_use(exc) else 1
-    env = environment(cfg, dict(os.environ))
-    if args.api_key:
-        env[API_KEY_ENV] = args.api_key
-    cmd = command(cfg, python)
+    env = environment(instance, dict(os.environ))
+    if cfg.api_key:
+        env[API_KEY_ENV] = cfg.api_key
+    cmd = command(instance, python)
     print(f"pdserve serve: exec {' '.join(cmd)}", file=sys.stderr, flush=True)
     os.execve(python, cmd, env)
     return 1  # not reached
