@@ -15,7 +15,7 @@ import pytest
 from pdserve.config import TransportConfig
 from pdserve.transfer.transport import AuthError, TransferState, create_transport
 from pdserve.transfer.transport.base import PeerCard
-from pdserve.transfer.transport.handshake import Me, dial
+from pdserve.transfer.transport.handshake import IO_TICK_S, Listener, Me, dial
 from pdserve.transfer.transport.wire import (
     Ack,
     Deadline,
@@ -208,3 +208,16 @@ def test_unauthenticated_frames_refused_on_unix_socket(target) -> None:
         assert not isinstance(reply, Ack)
     assert np.array_equal(buf, before)
     assert t.peers() == []
+
+
+def test_closing_a_tcp_listener_wakes_its_accept_at_once() -> None:
+    """close() does not wait out the accept's IO tick (every transport closes one or two)."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen()
+    listener = Listener(sock, lambda conn: conn.close(), "test")
+    time.sleep(0.05)  # its thread is in accept()
+    start = time.monotonic()
+    listener.close()
+    assert not listener.alive
+    assert time.monotonic() - start < IO_TICK_S / 2
