@@ -52,8 +52,9 @@ test: venv venv-vllm
 test-vllm: venv-vllm
 	$(VLLM_PY) -m pytest -q -ra -o addopts= tests/vllm
 
-# The unit tier: no test that starts a process (tests/conftest.py marks them `process` and,
-# with PDSERVE_UNIT_TIER set, fails any other test that starts one).
+# The unit tier, under 2 minutes on 2 cores: no test that starts a process (tests/conftest.py
+# marks them `process` and, with PDSERVE_UNIT_TIER set, fails any other test that starts one)
+# and none marked `slow` (in-process integration tests: real-socket server stacks, P/D pairs).
 test-fast: venv
 	PDSERVE_UNIT_TIER=1 $(PY) -m pytest -q -m "not slow and not process" --durations=10
 

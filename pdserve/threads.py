@@ -9,7 +9,6 @@ instance's CPU could not be told apart from its engine's (vLLM's worker threads 
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import sys
 import threading
 
@@ -30,7 +29,9 @@ def set_os_name(name: str) -> None:
     if not sys.platform.startswith("linux"):
         return
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+        # dlopen(NULL): the symbols already loaded, libc's among them. Not
+        # ctypes.util.find_library("c"): on Linux that runs `ldconfig -p` (a process) each call.
+        libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(_PR_SET_NAME, name.encode()[:_OS_NAME_BYTES], 0, 0, 0)
     except (OSError, AttributeError):  # no libc to load: the name is a convenience
         return

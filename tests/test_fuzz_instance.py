@@ -34,7 +34,9 @@ from pdserve.server.body_limit import MAX_BODY_BYTES
 from pdserve.server.protocol import MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
 from pdserve.sse import events_data
 
-pytestmark = pytest.mark.timeout(300)
+# Slow (hundreds of fuzzed requests through a whole instance's HTTP stack): `make test` runs it,
+# the unit tier (`make test-fast`) does not.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 # A small cache keeps the worst case (a reply filling the whole context) short.
 BLOCK_SIZE = 16

@@ -40,7 +40,9 @@ from pdserve.router.config import RouterConfig
 from pdserve.server.app import create_app
 from tests.pd_harness import make_engine
 
-pytestmark = pytest.mark.timeout(300)
+# Slow (fuzzed requests through a router and a P/D pair on real sockets): `make test` runs it, the
+# unit tier (`make test-fast`) does not.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 NORMAL = {"prompt": [5, 6, 7, 8], "max_tokens": 4, "temperature": 0, "ignore_eos": True}
 

@@ -101,6 +101,7 @@ def test_a_client_reuses_its_connection(server: tuple[str, ThreadingHTTPServer])
     assert len(peers) == 3 and len(set(peers)) == 1, peers
 
 
+@pytest.mark.slow  # waits out the real CLIENT_KEEPALIVE_S (4 s) that pdserve's clients use
 def test_a_client_drops_an_idle_connection_after_the_client_keepalive(
     server: tuple[str, ThreadingHTTPServer],
 ) -> None:

@@ -40,7 +40,9 @@ from pdserve.transfer import messages as m
 from pdserve.transfer.params import KVTransferParams
 from tests.pd_harness import Pair, _fields, make_engine
 
-pytestmark = pytest.mark.timeout(300)
+# Slow (P and D engines over real sockets (tests/pd_harness.py), many concurrent transfers): `make
+# test` runs it, the unit tier (`make test-fast`) does not.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 NUM_REQUESTS = 40

@@ -35,7 +35,9 @@ from pdserve.transfer.params import KVTransferParams
 from pdserve.transfer.side_channel import SideChannel
 from tests.pd_harness import Pair, _fields, greedy_tokens, make_engine
 
-pytestmark = pytest.mark.timeout(120)
+# Slow (P and D engines over real sockets (tests/pd_harness.py), waiting out grace periods): `make
+# test` runs it, the unit tier (`make test-fast`) does not.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 IDS = list(range(3, 120))  # 117 tokens: 8 blocks of 16

@@ -20,6 +20,11 @@ from pdserve.model.loader import load_model
 from pdserve.transfer.adapter import Quarantine
 from tests.pd_harness import Pair, greedy_tokens, make_engine, unreachable_push_params
 
+# Slow (P and D engines over real sockets (tests/pd_harness.py), waiting out heartbeats and
+# leases): `make test` runs it, the unit tier (`make test-fast`) does not.
+pytestmark = pytest.mark.slow
+
+
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
 

@@ -23,7 +23,9 @@ from pdserve.router.choices import (
 )
 from pdserve.server.protocol import SEED_MAX
 
-pytestmark = pytest.mark.timeout(60)
+# Slow (a router and fake instances served over real sockets (uvicorn threads)): `make test` runs
+# it, the unit tier (`make test-fast`) does not.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(60)]
 
 BODY = {"model": "fake-model", "prompt": "hello", "max_tokens": 4, "seed": 5, "n": 3}
 

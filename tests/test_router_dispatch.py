@@ -12,7 +12,9 @@ import httpx
 import pytest
 from test_router_fake_instance import FakeInstance, running_router, wait_for
 
-pytestmark = pytest.mark.timeout(60)
+# Slow (a router and fake instances served over real sockets (uvicorn threads)): `make test` runs
+# it, the unit tier (`make test-fast`) does not.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(60)]
 
 PROMPT = {"model": "fake-model", "prompt": "hello", "max_tokens": 8, "temperature": 0}
 

@@ -20,7 +20,9 @@ from pdserve.router.config import RouterConfig
 from pdserve.router.health import EJECTED_REASON, HealthMonitor, InstancePool
 from pdserve.router.load_model import Demand
 
-pytestmark = pytest.mark.timeout(30)
+# Slow (a router and fake instances served over real sockets (uvicorn threads)): `make test` runs
+# it, the unit tier (`make test-fast`) does not.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(30)]
 
 ROUTER_TIMEOUT_S = 300.0  # far beyond the test's timeout: reaching it fails the test
 FROZEN_S = 600.0  # how long a "frozen" fake holds its answer

@@ -15,7 +15,9 @@ from pdserve.router.config import DEFAULT_LOCAL_PREFILL_BELOW
 from pdserve.router.prompt_size import BYTES_PER_TOKEN_CEILING
 from pdserve.router.serve_args import add_arguments, config_from_args
 
-pytestmark = pytest.mark.timeout(60)
+# Slow (a router and fake instances served over real sockets (uvicorn threads)): `make test` runs
+# it, the unit tier (`make test-fast`) does not.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(60)]
 
 
 def _ids(n: int) -> list[int]:

@@ -23,7 +23,9 @@ from test_router_fake_instance import ThreadServer, wait_for
 from pdserve.router.config import RouterConfig
 from pdserve.router.vllm_legs import PrefillPeer
 
-pytestmark = pytest.mark.timeout(60)
+# Slow (a router and fake vLLM servers served over real sockets (uvicorn threads)): `make test`
+# runs it, the unit tier (`make test-fast`) does not.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(60)]
 
 MODEL = "fake-vllm"
 PROMPT = {"model": MODEL, "prompt": "hello", "max_tokens": 4, "temperature": 0}

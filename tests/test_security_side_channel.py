@@ -34,7 +34,9 @@ from pdserve.transfer.factory import build_factory
 from pdserve.transfer.side_channel import Address, ReplayGuard, SideChannel, new_nonce
 from tests.pd_harness import Pair, _fields, greedy_tokens
 
-pytestmark = pytest.mark.timeout(120)
+# Slow (P and D engines over real sockets (tests/pd_harness.py), waiting out rejected peers):
+# `make test` runs it, the unit tier (`make test-fast`) does not.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
 TOKEN = "cluster-secret"
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)

@@ -47,7 +47,9 @@ from tests.pd_harness import make_engine
 from tests.test_fuzz_kv_params import GREEDY, PD, PROMPT, Served, make_pd, serve
 from tests.test_router_fake_instance import FakeInstance, running_router
 
-pytestmark = pytest.mark.timeout(300)
+# Slow (routers, fake instances and P/D engines served over real sockets): `make test` runs it,
+# the unit tier (`make test-fast`) does not.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 TOKEN = "cluster-secret"
 P_KW = {"lease_s": 300.0, "registration_ttl_s": 1.0, "cluster_token": TOKEN}

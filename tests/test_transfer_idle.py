@@ -33,6 +33,10 @@ from pdserve.transfer.pull import PullConnector
 from pdserve.transfer.push import PushConnector
 from tests.transfer_adapters import PdserveDouble
 
+# Slow (it watches idle threads for seconds of real time): `make test` runs it, the unit
+# tier (`make test-fast`) does not.
+pytestmark = pytest.mark.slow
+
 BLOCK_SIZE, NUM_BLOCKS, LAYERS, HEADS, HEAD_DIM = 4, 16, 2, 1, 8
 COMPAT = m.Compat(
     model="idle",

@@ -6,6 +6,7 @@ initiator makes) against a real TcpTransport in this process.
 
 from __future__ import annotations
 
+import os
 import socket
 import time
 
@@ -15,7 +16,14 @@ import pytest
 from pdserve.config import TransportConfig
 from pdserve.transfer.transport import AuthError, TransferState, create_transport
 from pdserve.transfer.transport.base import PeerCard
-from pdserve.transfer.transport.handshake import Me, dial
+from pdserve.transfer.transport.handshake import (
+    IO_TICK_S,
+    Listener,
+    Me,
+    abstract_path,
+    dial,
+    unix_server,
+)
 from pdserve.transfer.transport.wire import (
     Ack,
     Deadline,
@@ -208,3 +216,22 @@ def test_unauthenticated_frames_refused_on_unix_socket(target) -> None:
         assert not isinstance(reply, Ack)
     assert np.array_equal(buf, before)
     assert t.peers() == []
+
+
+@pytest.mark.parametrize("family", ["tcp", "unix"])
+def test_closing_a_listener_wakes_its_accept_at_once(family: str) -> None:
+    """close() does not wait out the accept's IO tick (every transport closes one or two)."""
+    if family == "tcp":
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+    else:
+        sock = unix_server(abstract_path(f"pdserve-test-listener-{os.getpid()}"))
+        if sock is None:
+            pytest.skip("no Unix-domain sockets here")
+    listener = Listener(sock, lambda conn: conn.close(), "test")
+    time.sleep(0.05)  # its thread is in accept()
+    start = time.monotonic()
+    listener.close()
+    assert not listener.alive
+    assert time.monotonic() - start < IO_TICK_S / 2

@@ -32,6 +32,11 @@ from pdserve.vllm.specs import (
 )
 from pdserve.vllm.worker import WorkerSide
 
+# Slow (two vLLM-side workers over real tcp transports, waiting out grace periods): `make test`
+# runs it, the unit tier (`make test-fast`) does not.
+pytestmark = pytest.mark.slow
+
+
 NUM_BLOCKS, LAYERS, BLOCK_SIZE = 16, 2, 4
 
 

@@ -311,6 +311,9 @@ class Listener:
                 self._accept_failed(exc, pause)
                 pause = min(2 * pause, ACCEPT_RETRY_MAX_S)
                 continue
+            if self._stop.is_set():  # close()'s wake-up, or a client just too late
+                conn.close()
+                break
             pause = ACCEPT_RETRY_MIN_S
             self._start(conn)
 
@@ -350,5 +353,19 @@ class Listener:
 
     def close(self) -> None:
         self._stop.set()
+        self._wake()
         self._thread.join(timeout=2 * IO_TICK_S + 1)
         self._sock.close()
+
+    def _wake(self) -> None:
+        """End a blocked accept() now rather than at the next IO tick (close() would wait it
+        out). A TCP listening socket shut down fails it (Linux: EINVAL); a Unix one is not
+        woken by that, so it gets a connection, which the loop drops. Where neither works,
+        the tick still ends the loop."""
+        with contextlib.suppress(OSError):
+            if self._sock.family == socket.AF_UNIX:
+                with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as poke:
+                    poke.settimeout(IO_TICK_S)
+                    poke.connect(self._sock.getsockname())
+            else:
+                self._sock.shutdown(socket.SHUT_RDWR)
