@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from pdserve.http_client import Client
 from pdserve.launcher import Cluster, ManagedProcess, is_healthy
 from pdserve.restarts import GiveUp, Restart, RestartBudget, RestartPolicy, Verdict
+from pdserve.stop_request import StopCheck
 from pdserve.threads import Thread
 
 
@@ -223,7 +224,7 @@ class Supervisor:
                     self._step(child, client)
             return self.lost
 
-    def run(self, stop: threading.Event | None = None, poll_s: float = 0.2) -> Loss | None:
+    def run(self, stop: StopCheck | None = None, poll_s: float = 0.2) -> Loss | None:
         """Poll until the cluster is lost (returned) or `stop` is set (None)."""
         stop = stop or threading.Event()
         with self._client() as client:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import socket
@@ -270,16 +271,19 @@ def _assert_gone(pid: int) -> None:
 @pytest.mark.slow  # a 3-process cluster
 def test_up_command_stops_everything_on_sigterm(tmp_path: Path) -> None:
     proc, lines = _run_up(tmp_path, "--kv-transfer", "push")
+    pids = _pids(lines)
     try:
-        pids = _pids(lines)
         assert set(pids) == {"prefill", "decode", "router"}
         assert any(line.strip().startswith("URL") for line in lines)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
     finally:
-        if proc.poll() is None:
+        if proc.poll() is None:  # up hung: stop it and what it started, by PID
             proc.kill()
             proc.wait()
+            for pid in pids.values():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
     for pid in pids.values():
         _assert_gone(pid)
 

@@ -6,8 +6,9 @@ dies (with backoff, giving up after `--max-restarts` failures within `--restart-
 prints a status line for each restart and return. `up` ends with exit status 1 only once
 the cluster cannot serve (router, every decode instance or the monolithic instance given
 up); Ctrl-C or SIGTERM stops every child by PID, one being restarted included: once the
-cluster is supervised, a signal only asks the supervisor's loop to return (`_StopRequest`),
-so it never interrupts a restart between the child's start and its recording.
+cluster is supervised, a signal only asks the supervisor's loop to return
+(`pdserve.stop_request`), so it never interrupts a restart between the child's start and its
+recording.
 
 Here, above both the launcher and the supervisor, so that neither imports the other's user.
 """
@@ -15,9 +16,7 @@ Here, above both the launcher and the supervisor, so that neither imports the ot
 from __future__ import annotations
 
 import logging
-import signal
 import sys
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +24,7 @@ from pathlib import Path
 from pdserve.launcher import Cluster, ClusterConfig, ClusterError, ManagedProcess
 from pdserve.restarts import GiveUp, RestartPolicy
 from pdserve.server.exposure import up_warning
+from pdserve.stop_request import StopRequest
 from pdserve.supervisor import ChildBack, ChildFailed, Event, Supervisor, describe
 
 log = logging.getLogger(__name__)
@@ -49,28 +49,28 @@ def main(up: LocalUpCommand) -> int:
     cluster = Cluster(up.cluster)
     if warning := up_warning(cluster.config.host, cluster.config.api_key):
         log.warning("WARNING: %s", warning)  # this format shows no level name
-    stop = _StopRequest()
-    previous = {s: signal.signal(s, stop.on_signal) for s in _STOP_SIGNALS}
+    supervisor = lambda: Supervisor(cluster, policy, on_event=_printer(cluster))  # noqa: E731
+    stop = StopRequest()
     status = 1
     try:
-        print(f"pdserve up: starting; logs in {cluster.log_dir}", flush=True)
-        supervisor = lambda: Supervisor(cluster, policy, on_event=_printer(cluster))  # noqa: E731
-        status = _run(cluster, supervisor, stop)
-        return status
+        with stop.installed():
+            try:
+                print(f"pdserve up: starting; logs in {cluster.log_dir}", flush=True)
+                status = _run(cluster, supervisor, stop)
+            finally:
+                cluster.stop()
     finally:
-        cluster.stop()
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
         _after_stop(cluster, status, keep_logs=up.keep_logs)
+    return status
 
 
-def _run(cluster: Cluster, supervisor: Callable[[], Supervisor], stop: _StopRequest) -> int:
+def _run(cluster: Cluster, supervisor: Callable[[], Supervisor], stop: StopRequest) -> int:
     """Start, then supervise until told to stop (0) or the cluster cannot serve (1). The
     supervisor is made once the cluster has started: it watches the children it finds."""
     try:
         cluster.start()
         _print_summary(cluster, cluster.write_token_file())
-        stop.supervising = True
+        stop.armed = True
         if supervisor().run(stop.requested) is not None:
             return 1  # the cluster cannot serve any more (the supervisor said why)
         print("pdserve up: stopping", flush=True)
@@ -93,25 +93,6 @@ def _after_stop(cluster: Cluster, status: int, keep_logs: bool) -> None:
         print("pdserve up: stopped; logs removed (--keep-logs keeps them)", flush=True)
     elif cluster.log_dir.exists():
         print(f"pdserve up: stopped; logs in {cluster.log_dir}", flush=True)
-
-
-_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-
-
-class _StopRequest:
-    """What Ctrl-C, SIGTERM and SIGHUP do in `pdserve up` (owned by `main`): while the
-    cluster starts, raise KeyboardInterrupt (`Cluster.start` stops what it started); once it
-    is supervised, set `requested`, which ends the supervisor's loop between two steps, so
-    that a child being restarted is always recorded where `Cluster.stop` finds it."""
-
-    def __init__(self) -> None:
-        self.requested = threading.Event()
-        self.supervising = False
-
-    def on_signal(self, signum: int, frame: object) -> None:
-        if not self.supervising:
-            raise KeyboardInterrupt(signal.Signals(signum).name)
-        self.requested.set()
 
 
 def _print_summary(cluster: Cluster, token_path: Path) -> None:

@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import logging
 import secrets
-import signal
 import sys
-import threading
 import time
 from dataclasses import dataclass
 
@@ -20,9 +18,9 @@ from pdserve.cluster.ray_cluster import RayCluster, RayClusterConfig
 from pdserve.cluster.registry import InstanceRecord
 from pdserve.launcher import TOKEN_ENV
 from pdserve.planner.config import PlannerConfig
+from pdserve.stop_request import StopCheck, StopRequest
 
 WATCH_INTERVAL_S = 1.0
-_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 @dataclass(frozen=True)
@@ -40,43 +38,27 @@ def main(up: RayUpCommand) -> int:
     config, planner = up.cluster, up.planner
     token = config.cluster.cluster_token or secrets.token_hex(16)
     cluster = RayCluster(config, token)
-    stop = _StopRequest()
-    previous = {s: signal.signal(s, stop.on_signal) for s in _STOP_SIGNALS}
-    try:
-        print("pdserve up: starting on Ray", flush=True)
-        cluster.start()
-        stop.watching = True
-        print_table(cluster)
-        _watch(cluster, stop.requested, planner)
-        print("pdserve up: stopping", flush=True)
-        return 0
-    except KeyboardInterrupt:
-        print("pdserve up: stopping", flush=True)
-        return 0
-    except (RuntimeError, TimeoutError) as exc:
-        print(f"pdserve up: {exc}", file=sys.stderr, flush=True)
-        return 1
-    finally:
-        cluster.stop()
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+    stop = StopRequest()
+    with stop.installed():
+        try:
+            print("pdserve up: starting on Ray", flush=True)
+            cluster.start()
+            stop.armed = True
+            print_table(cluster)
+            _watch(cluster, stop.requested, planner)
+            print("pdserve up: stopping", flush=True)
+            return 0
+        except KeyboardInterrupt:
+            print("pdserve up: stopping", flush=True)
+            return 0
+        except (RuntimeError, TimeoutError) as exc:
+            print(f"pdserve up: {exc}", file=sys.stderr, flush=True)
+            return 1
+        finally:
+            cluster.stop()
 
 
-class _StopRequest:
-    """Ctrl-C, SIGTERM, SIGHUP: during the start, KeyboardInterrupt (the start stops what
-    it started); once watching, a request the watch loop sees between two rounds."""
-
-    def __init__(self) -> None:
-        self.requested = threading.Event()
-        self.watching = False
-
-    def on_signal(self, signum: int, frame: object) -> None:
-        if not self.watching:
-            raise KeyboardInterrupt(signal.Signals(signum).name)
-        self.requested.set()
-
-
-def _watch(cluster: RayCluster, stop: threading.Event, planner: PlannerConfig | None) -> None:
+def _watch(cluster: RayCluster, stop: StopCheck, planner: PlannerConfig | None) -> None:
     from pdserve.cluster.planner_loop import RayPlannerLoop
 
     loop = RayPlannerLoop(cluster, planner) if planner is not None else None
