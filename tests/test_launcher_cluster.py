@@ -226,13 +226,16 @@ def test_monolithic_cluster_has_no_router(tmp_path: Path) -> None:
     assert _gone(inst.popen)
 
 
-def _run_up(tmp_path: Path | None, *argv: str) -> tuple[subprocess.Popen[str], list[str]]:
-    """`pdserve up ARGV` in a subprocess with fake instances; returns once it is ready.
-    `tmp_path` is its `--log-dir` (None: none given, `up` makes a temporary one)."""
+def _run_up(
+    tmp_path: Path | None, *argv: str, command: str = "fake_command"
+) -> tuple[subprocess.Popen[str], list[str]]:
+    """`pdserve up ARGV` in a subprocess with fake instances (started by `command`, a
+    function of this module); returns once it is ready. `tmp_path` is its `--log-dir`
+    (None: none given, `up` makes a temporary one)."""
     script = (
         "import sys; sys.path.insert(0, sys.argv[1]);"
         "import pdserve.launcher as launcher, test_launcher_cluster as t;"
-        "launcher.serve_command = t.fake_command;"
+        f"launcher.serve_command = t.{command};"
         "from pdserve.cli import main; sys.exit(main(sys.argv[2:]))"
     )
     cmd = [
@@ -286,6 +289,42 @@ def test_up_command_stops_everything_on_sigterm(tmp_path: Path) -> None:
                     os.kill(pid, signal.SIGKILL)
     for pid in pids.values():
         _assert_gone(pid)
+
+
+def decode_ignores_sigterm(spec: InstanceSpec) -> list[str]:
+    """Fake instances whose decode instance ignores SIGTERM (up has to SIGKILL it)."""
+    if spec.role != "decode":
+        return fake_command(spec)
+    script = (
+        "import runpy, sys, uvicorn;"
+        "uvicorn.Server.handle_exit = lambda *args: None;"
+        f"sys.argv = [{str(FAKE)!r}, '--role', 'decode', '--port', {str(spec.port)!r}];"
+        f"runpy.run_path({str(FAKE)!r}, run_name='__main__')"
+    )
+    return [sys.executable, "-c", script]
+
+
+@pytest.mark.slow  # a 3-process cluster and the 10 s stop timeout
+def test_a_second_signal_does_not_cut_the_stop_short(tmp_path: Path) -> None:
+    proc, lines = _run_up(tmp_path, "--kv-transfer", "push", command="decode_ignores_sigterm")
+    pids = _pids(lines)
+    try:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.stdout is not None
+        while "pdserve up: stopping" not in (line := proc.stdout.readline()):
+            assert line, "up ended before it said it was stopping"
+        proc.send_signal(signal.SIGINT)  # while it waits for decode to give up
+        rest = proc.stdout.read()
+        assert proc.wait(60) == 0, rest
+        assert "decode-0" in rest and "ignored SIGTERM: killing it" in rest
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    for pid in pids.values():
+        with contextlib.suppress(ProcessLookupError):  # reaped by up, or killed here
+            os.kill(pid, signal.SIGKILL)
+            raise AssertionError(f"pid {pid} outlived pdserve up")
 
 
 # -- ports: a child whose port was taken ------------------------------------------------------

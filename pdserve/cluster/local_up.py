@@ -58,6 +58,7 @@ def main(up: LocalUpCommand) -> int:
                 print(f"pdserve up: starting; logs in {cluster.log_dir}", flush=True)
                 status = _run(cluster, supervisor, stop)
             finally:
+                stop.armed = True  # a second Ctrl-C must not cut the stop short
                 cluster.stop()
     finally:
         _after_stop(cluster, status, keep_logs=up.keep_logs)

@@ -55,6 +55,7 @@ def main(up: RayUpCommand) -> int:
             print(f"pdserve up: {exc}", file=sys.stderr, flush=True)
             return 1
         finally:
+            stop.armed = True  # a second Ctrl-C must not cut the stop short
             cluster.stop()
 
 
