@@ -281,14 +281,20 @@ def test_up_command_stops_everything_on_sigterm(tmp_path: Path) -> None:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
     finally:
-        if proc.poll() is None:  # up hung: stop it and what it started, by PID
-            proc.kill()
-            proc.wait()
-            for pid in pids.values():
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
+        _stop_if_hung(proc, pids)
     for pid in pids.values():
         _assert_gone(pid)
+
+
+def _stop_if_hung(proc: subprocess.Popen[str], pids: dict[str, int]) -> None:
+    """If `up` is still running (it hung), SIGKILL it and what it started, by PID."""
+    if proc.poll() is not None:
+        return
+    proc.kill()
+    proc.wait()
+    for pid in pids.values():
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
 
 
 def decode_ignores_sigterm(spec: InstanceSpec) -> list[str]:
@@ -314,17 +320,14 @@ def test_a_second_signal_does_not_cut_the_stop_short(tmp_path: Path) -> None:
         while "pdserve up: stopping" not in (line := proc.stdout.readline()):
             assert line, "up ended before it said it was stopping"
         proc.send_signal(signal.SIGINT)  # while it waits for decode to give up
+        status = proc.wait(60)
         rest = proc.stdout.read()
-        assert proc.wait(60) == 0, rest
+        assert status == 0, rest
         assert "decode-0" in rest and "ignored SIGTERM: killing it" in rest
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        _stop_if_hung(proc, pids)
     for pid in pids.values():
-        with contextlib.suppress(ProcessLookupError):  # reaped by up, or killed here
-            os.kill(pid, signal.SIGKILL)
-            raise AssertionError(f"pid {pid} outlived pdserve up")
+        _assert_gone(pid)
 
 
 # -- ports: a child whose port was taken ------------------------------------------------------
