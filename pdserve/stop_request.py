@@ -1,7 +1,8 @@
 """How a long-running command (`pdserve up`, local or on Ray) turns Ctrl-C, SIGTERM and
-SIGHUP into a stop: while it starts, the signal raises KeyboardInterrupt (the start stops
-what it started); once armed, it only sets a `StopFlag` that the command's loop checks
-between two rounds, so a signal never lands between starting a child and recording it.
+SIGHUP into a stop: while it starts, the first signal raises KeyboardInterrupt (the start
+stops what it started); once armed, and after that first interrupt, a signal only sets a
+`StopFlag` that the command's loop checks between two rounds, so a signal never lands
+between starting a child and recording it, nor a second one inside the stop the first began.
 
 Why not `threading.Event`: a Python signal handler runs in the main thread between two
 bytecodes, possibly inside that thread's own `Event.wait`, at a point where it holds the
@@ -52,7 +53,9 @@ class StopFlag:
 
 class StopRequest:
     """The stop signals' handler for one command (owned by its `main`): KeyboardInterrupt
-    until `armed`, then `requested` is set."""
+    until `armed`, then `requested` is set. Raising arms it: a second signal that arrives
+    while the command handles the first (printing, stopping its children) must not raise
+    again out of that handling (it did once in CI, exit -2 instead of 0)."""
 
     def __init__(self) -> None:
         self.requested = StopFlag()
@@ -60,6 +63,7 @@ class StopRequest:
 
     def on_signal(self, signum: int, frame: object) -> None:
         if not self.armed:
+            self.armed = True
             raise KeyboardInterrupt(signal.Signals(signum).name)
         self.requested.set()
 

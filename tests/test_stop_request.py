@@ -24,6 +24,14 @@ def test_before_it_is_armed_a_signal_interrupts_then_it_only_sets_the_flag() -> 
     assert stop.requested.is_set() and stop.requested.wait(10.0)
 
 
+def test_a_second_signal_while_the_first_interrupt_is_handled_does_not_raise() -> None:
+    stop = StopRequest()
+    with pytest.raises(KeyboardInterrupt, match="SIGTERM"):
+        stop.on_signal(signal.SIGTERM, None)
+    stop.on_signal(signal.SIGINT, None)  # e.g. during the "stopping" print after the first
+    assert stop.armed and stop.requested.is_set()
+
+
 def test_wait_returns_after_its_timeout_when_nothing_sets_it() -> None:
     assert StopFlag().wait(0.01) is False
 

@@ -70,8 +70,8 @@ def _run(cluster: Cluster, supervisor: Callable[[], Supervisor], stop: StopReque
     supervisor is made once the cluster has started: it watches the children it finds."""
     try:
         cluster.start()
+        stop.armed = True  # before the summary: a caller may signal as soon as it reads it
         _print_summary(cluster, cluster.write_token_file())
-        stop.armed = True
         if supervisor().run(stop.requested) is not None:
             return 1  # the cluster cannot serve any more (the supervisor said why)
         print("pdserve up: stopping", flush=True)
