@@ -48,6 +48,14 @@ VLLM_MARKS = [
     ),
 ]
 STARTUP_TIMEOUT_S = 600.0
+# The session's tcp pair's connector settings (conftest.py), short enough for the failure
+# tests to wait them out: P frees blocks nobody decodes after LEASE_S; D gives up on a
+# silent P within about 10 s.
+LEASE_S = 8.0
+QUICK_HEARTBEATS = {"heartbeat_s": 1.0, "heartbeat_misses": 10, "handshake_timeout_s": 15.0}
+# vLLM's CPU backend otherwise compiles the model at every start (about 35 s of CPU here);
+# what the tests check does not depend on it. `pdserve serve` passes it through.
+EAGER = "--vllm-arg=--enforce-eager"
 # Small KV pool; one unpinned compute thread per server: several servers share a few cores
 # in CI, and vLLM's default binding puts every server's threads on the same cores.
 QUIET_ENV = {
@@ -112,16 +120,23 @@ class VllmServer:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self) -> VllmServer:
+    def command(self) -> list[str]:
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model]
         cmd += ["--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32"]
         cmd += ["--max-model-len", "4096", "--enforce-eager", "--seed", "0"]
         if self.kv_config:
             cmd += ["--kv-transfer-config", self.kv_config]
+        return cmd
+
+    def start(self) -> VllmServer:
         env = {**os.environ, **QUIET_ENV, "PYTHONPATH": str(REPO)}
         with open(self.log, "ab") as out:
             self.proc = subprocess.Popen(
-                cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+                self.command(),
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
             )
         return self
 
@@ -176,6 +191,29 @@ class VllmServer:
             if usage == 0 or time.monotonic() > deadline:
                 return usage
             time.sleep(0.5)
+
+
+class PdserveServeMono(VllmServer):
+    """A monolithic `pdserve serve --engine vllm` (it execs vLLM's server in its own PID),
+    eager like the harness's servers: the reference the tests compare P/D with. Prefix
+    caching stays off there (pdserve turns it off): prompts of the engine tests share
+    prefixes, and a prefix hit computes a prompt in other chunks than P/D does."""
+
+    def command(self) -> list[str]:
+        cmd = [sys.executable, "-m", "pdserve", "serve", "--engine", "vllm", "--model", self.model]
+        cmd += ["--port", str(self.port), "--dtype", "float32", "--max-model-len", "4096"]
+        return [*cmd, "--threads", "1", "--vllm-python", sys.executable, EAGER]
+
+
+class Pair:
+    """One P and one D vLLM server with PdserveConnector, owned by the fixture that made it."""
+
+    def __init__(self, p: VllmServer, d: VllmServer) -> None:
+        self.p, self.d = p, d
+
+    def stop(self) -> None:
+        self.p.stop()
+        self.d.stop()
 
 
 def start_all(servers: list[VllmServer]) -> None:

@@ -1,9 +1,9 @@
 """Greedy vLLM P/D through PdserveConnector equals one monolithic vLLM, token for token.
 
-The monolithic instance answers every prompt of the module first and is stopped (fewer
-servers at once on a small CI host); then one P and one D serve the whole module. The
-transfer mode is chosen per request (the P leg's `transfer_mode`), so push and pull run on
-the same pair.
+The reference is the session's monolithic `pdserve serve --engine vllm` (conftest.py). Each
+transport gets one P and one D for the module (tcp: the session's pair, which
+test_pd_failures uses next); the transfer mode is chosen per request (the P leg's
+`transfer_mode`), so push and pull run on the same pair.
 """
 
 from __future__ import annotations
@@ -21,13 +21,13 @@ from pdserve.transfer.transport import BackendUnavailableError
 from pdserve.transfer.transport.nixl_peer import load_nixl
 from tests.vllm.harness import (
     VLLM_MARKS,
+    Pair,
     VllmServer,
     connector_config,
     gather_limited,
     mono_generate,
     pd_generate,
     start_all,
-    write_checkpoint,
 )
 
 pytestmark = [*VLLM_MARKS, pytest.mark.timeout(2400)]
@@ -52,8 +52,9 @@ def _nixl_available() -> bool:
     return True
 
 
+# nixl first: its pair is stopped before the session's tcp pair starts (which stays up
+# for test_pd_failures), so at most two P/D servers run at once.
 TRANSPORTS = [
-    "tcp",
     pytest.param(
         "nixl",
         marks=[
@@ -61,12 +62,13 @@ TRANSPORTS = [
             pytest.mark.skipif(not _nixl_available(), reason="nixl not installed"),
         ],
     ),
+    "tcp",
 ]
 
 
 class Cluster:
-    def __init__(self, p: VllmServer, d: VllmServer, expected: dict[str, list]) -> None:
-        self.p, self.d, self.expected = p, d, expected
+    def __init__(self, pair: Pair, expected: dict[str, list]) -> None:
+        self.p, self.d, self.expected = pair.p, pair.d, expected
 
 
 async def run_mono(mono: VllmServer, ps: list[list[int]]) -> list:
@@ -84,35 +86,31 @@ async def run_pd(c: Cluster, ps: list[list[int]], mode: str) -> list:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, list]]:
-    """The checkpoint, and the monolithic instance's answers to every prompt set."""
-    tmp = tmp_path_factory.mktemp("vllm-eq")
-    model = write_checkpoint(tmp / "ckpt")
-    mono = VllmServer("mono", model, tmp, None)
-    start_all([mono])
-    try:
-        expected = {mode: asyncio.run(run_mono(mono, prompts(s))) for mode, s in SEEDS.items()}
-    finally:
-        mono.stop()
-    return model, expected
+def expected(mono: VllmServer) -> dict[str, list]:
+    """The monolithic instance's answers to every prompt set."""
+    return {mode: asyncio.run(run_mono(mono, prompts(s))) for mode, s in SEEDS.items()}
 
 
 @pytest.fixture(scope="module", params=TRANSPORTS)
 def cluster(
-    request: pytest.FixtureRequest, reference: tuple[Path, dict[str, list]]
+    request: pytest.FixtureRequest,
+    checkpoint: Path,
+    expected: dict[str, list],
+    tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[Cluster]:
-    model, expected = reference
-    tmp = model.parent
+    if request.param == "tcp":
+        yield Cluster(request.getfixturevalue("tcp_pair"), expected)
+        return
+    logs = tmp_path_factory.mktemp(f"pair-{request.param}")
     conf = {"transport": request.param}
-    name = request.param
-    p = VllmServer(f"prefill-{name}", model, tmp, connector_config("push", free_port(), **conf))
-    d = VllmServer(f"decode-{name}", model, tmp, connector_config("push", free_port(), **conf))
+    p = VllmServer("prefill", checkpoint, logs, connector_config("push", free_port(), **conf))
+    d = VllmServer("decode", checkpoint, logs, connector_config("push", free_port(), **conf))
+    pair = Pair(p, d)
     start_all([p, d])
     try:
-        yield Cluster(p, d, expected)
+        yield Cluster(pair, expected)
     finally:
-        p.stop()
-        d.stop()
+        pair.stop()
 
 
 @pytest.mark.parametrize("mode", ["push", "pull"])

@@ -1,10 +1,11 @@
 """PdserveConnector failure behaviour in real vLLM: nothing hangs, no block leaks.
 
-One P and one D serve the module, in this order: a P leg nobody decodes (P's lease frees
-it), a client that hangs up mid-stream (both sides free), a client that hangs up while D
-waits for KV (D aborts with P; both sides free), then, in push and in pull mode, kill -9 of
-P with decode legs in flight and waiting (each ends well within 60 s, the waiting ones with
-an error; D's KV usage returns to 0) and a restarted P (same tokens as before the kill).
+The session's tcp pair (conftest.py: P's lease and D's heartbeats are short) serves the
+module, in this order: a P leg nobody decodes (P's lease frees it), a client that hangs up
+mid-stream (both sides free), a client that hangs up while D waits for KV (D aborts with P;
+both sides free), then kill -9 of P with push and pull decode legs in flight and waiting
+(each ends well within 60 s, the waiting ones with an error; D's KV usage returns to 0) and
+a restarted P (same tokens in both modes as before the kill).
 """
 
 from __future__ import annotations
@@ -12,48 +13,29 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from collections.abc import Iterator
 
 import httpx
 import pytest
 
-from pdserve.ports import free_port
 from tests.vllm.harness import (
+    LEASE_S,
     VLLM_MARKS,
+    Pair,
     PdError,
-    VllmServer,
     body,
-    connector_config,
     decode,
     pd_generate,
     prefill,
-    start_all,
-    write_checkpoint,
 )
 
 pytestmark = [*VLLM_MARKS, pytest.mark.timeout(1800)]
-LEASE_S = 8.0
 END_WITHIN_S = 60.0
+MODES = ("push", "pull")
 
 
-class Pair:
-    def __init__(self, p: VllmServer, d: VllmServer) -> None:
-        self.p, self.d = p, d
-
-
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
-    tmp = tmp_path_factory.mktemp("vllm-fail")
-    model = write_checkpoint(tmp / "ckpt")
-    p = VllmServer("prefill", model, tmp, connector_config("push", free_port(), lease_s=LEASE_S))
-    quick = {"heartbeat_s": 1.0, "heartbeat_misses": 10, "handshake_timeout_s": 15.0}
-    d = VllmServer("decode", model, tmp, connector_config("push", free_port(), **quick))
-    start_all([p, d])
-    try:
-        yield Pair(p, d)
-    finally:
-        p.stop()
-        d.stop()
+@pytest.fixture
+def pair(tcp_pair: Pair) -> Pair:
+    return tcp_pair
 
 
 def prompt(seed: int, n: int = 1500) -> list[int]:
@@ -118,55 +100,60 @@ async def timed(coro) -> tuple[float, object]:
     return time.monotonic() - t, out
 
 
-@pytest.mark.parametrize("mode", ["push", "pull"])
-def test_kill_prefill_mid_transfer_then_restart(pair: Pair, mode: str) -> None:
-    seed = {"push": 10, "pull": 40}[mode]
-    before = prompt(seed, 700)
+Outcomes = dict[str, list[tuple[float, object]]]
 
-    async def run_before() -> list[int]:
-        async with httpx.AsyncClient(timeout=300) as client:
-            return await pd_generate(client, pair.p, pair.d, before, 8, mode)
 
-    reference = asyncio.run(run_before())
-
-    async def kill_under_load() -> tuple[list, list]:
-        async with httpx.AsyncClient(timeout=300) as client:
-            ps = [prompt(seed + 10 + i) for i in range(6)]
-            params = [await prefill(client, pair.p, p, mode) for p in ps[:3]]
-            # in flight: D legs posted, P killed while they register and P writes
-            flying = [
-                asyncio.ensure_future(timed(pd_generate(client, pair.p, pair.d, p, 8, mode)))
-                for p in ps[3:]
+async def kill_under_load(pair: Pair, seeds: dict[str, int]) -> tuple[Outcomes, Outcomes]:
+    """P killed once, with decode legs of both modes in flight (D legs posted, P writing or
+    about to be read) and, after it, waiting (D legs whose P is already gone): each mode's
+    outcomes, timed."""
+    async with httpx.AsyncClient(timeout=300) as client:
+        ps = {m: [prompt(seeds[m] + 10 + i) for i in range(6)] for m in MODES}
+        params = {m: [await prefill(client, pair.p, p, m) for p in ps[m][:3]] for m in MODES}
+        flying = {
+            m: [
+                *(timed(pd_generate(client, pair.p, pair.d, p, 8, m)) for p in ps[m][3:]),
+                timed(decode(client, pair.d, ps[m][0], 8, params[m][0])),
             ]
-            flying += [
-                asyncio.ensure_future(timed(decode(client, pair.d, p, 8, kv)))
-                for p, kv in zip(ps[:1], params[:1], strict=True)
-            ]
-            await asyncio.sleep(0.3)
-            pair.p.kill9()
-            # waiting: D legs whose P is already gone (P held their blocks)
-            late = [
+            for m in MODES
+        }
+        tasks = {m: [asyncio.ensure_future(c) for c in flying[m]] for m in MODES}
+        await asyncio.sleep(0.3)
+        pair.p.kill9()
+        done = {m: list(await asyncio.gather(*tasks[m])) for m in MODES}
+        waiting = [
+            [
                 timed(decode(client, pair.d, p, 8, kv))
-                for p, kv in zip(ps[1:3], params[1:3], strict=True)
+                for p, kv in zip(ps[m][1:3], params[m][1:3], strict=True)
             ]
-            return list(await asyncio.gather(*flying)), list(await asyncio.gather(*late))
+            for m in MODES
+        ]
+        late = await asyncio.gather(*(asyncio.gather(*w) for w in waiting))
+        return done, {m: list(outs) for m, outs in zip(MODES, late, strict=True)}
 
-    flying, late = asyncio.run(kill_under_load())
-    for elapsed, out in flying + late:
-        assert elapsed < END_WITHIN_S, (elapsed, out)
-        assert isinstance(out, list | PdError | httpx.HTTPError), out
-    for _, out in late:  # nobody can serve them: a clear error, not a hang or garbage
-        assert isinstance(out, PdError), out
-        assert '"error"' in str(out)
+
+def test_kill_prefill_mid_transfer_then_restart(pair: Pair) -> None:
+    """One kill -9 of P, with push and pull legs in flight and waiting at once."""
+    seeds = {"push": 10, "pull": 40}
+    before = {mode: prompt(seed, 700) for mode, seed in seeds.items()}
+
+    async def generate_before() -> dict[str, list[int]]:
+        async with httpx.AsyncClient(timeout=300) as client:
+            return {m: await pd_generate(client, pair.p, pair.d, before[m], 8, m) for m in MODES}
+
+    reference = asyncio.run(generate_before())
+    flying, late = asyncio.run(kill_under_load(pair, seeds))
+    for mode in MODES:
+        for elapsed, out in flying[mode] + late[mode]:
+            assert elapsed < END_WITHIN_S, (mode, elapsed, out)
+            assert isinstance(out, list | PdError | httpx.HTTPError), (mode, out)
+        for _, out in late[mode]:  # nobody can serve them: a clear error, not a hang or garbage
+            assert isinstance(out, PdError), (mode, out)
+            assert '"error"' in str(out)
     assert pair.d.wait_kv_usage_zero() == 0
 
     pair.p.start()
     pair.p.wait_ready()
-
-    async def run_after() -> list[int]:
-        async with httpx.AsyncClient(timeout=300) as client:
-            return await pd_generate(client, pair.p, pair.d, before, 8, mode)
-
-    assert asyncio.run(run_after()) == reference
+    assert asyncio.run(generate_before()) == reference
     assert pair.d.wait_kv_usage_zero() == 0
     assert pair.p.wait_kv_usage_zero() == 0
