@@ -19,6 +19,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from freeze import freeze
 from procs import PdserveProcess, ProcessFailed, free_port
 
 from pdserve.ports import EXIT_ADDRESS_IN_USE, bind_socket
@@ -284,7 +285,7 @@ def test_beaten_to_its_port_while_loading_it_exits_instead_of_serving(tmp_path) 
         try:
             # "loading" is logged once its socket is bound; stopped there, it cannot listen.
             assert wait_for(lambda: "loading" in log.read_text() or proc.poll() is not None)
-            os.kill(proc.pid, signal.SIGSTOP)
+            freeze(proc.pid)
             other.listen()
             os.kill(proc.pid, signal.SIGCONT)
             assert proc.wait(timeout=120) == EXIT_ADDRESS_IN_USE, log.read_text()

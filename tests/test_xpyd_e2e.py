@@ -12,12 +12,11 @@ to catch.
 from __future__ import annotations
 
 import contextlib
-import os
-import signal
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
+import freeze
 import httpx
 import pytest
 
@@ -99,11 +98,8 @@ def _blocks_used(inst: ManagedProcess) -> int:
 @contextlib.contextmanager
 def frozen(inst: ManagedProcess) -> Iterator[None]:
     """SIGSTOP the instance (by PID) for the block; SIGCONT afterwards, even on failure."""
-    os.kill(inst.pid, signal.SIGSTOP)
-    try:
+    with freeze.frozen(inst.pid):
         yield
-    finally:
-        os.kill(inst.pid, signal.SIGCONT)
 
 
 def _assert_clear_error(r: httpx.Response, inst: ManagedProcess) -> None:

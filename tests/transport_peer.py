@@ -19,6 +19,7 @@ from multiprocessing.connection import Connection
 
 import msgspec
 import numpy as np
+from freeze import freeze
 
 from pdserve.config import TransportConfig
 from pdserve.transfer.transport import PeerId, Transport, create_transport
@@ -222,7 +223,7 @@ class PeerProcess:
         return seen
 
     def stop_signal(self) -> None:
-        os.kill(self.pid, signal.SIGSTOP)
+        freeze(self.pid)
 
     def kill(self) -> None:
         if self.proc.is_alive():
