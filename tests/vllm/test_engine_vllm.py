@@ -33,7 +33,8 @@ PUSH_PROMPTS = [[(11 * i + 5) % 250 + 3 for i in range(n)] for n in PUSH_LENGTHS
 MAX_TOKENS = 12
 
 
-def _greedy(url: str, model: str, prompt: list[int]) -> list[int]:
+def _greedy(url: str, model: str, prompt: list[int], cluster: Cluster | None = None) -> list[int]:
+    """Greedy token ids; a failure through `cluster` carries every process's log tail."""
     body = {
         "model": model,
         "prompt": prompt,
@@ -43,10 +44,14 @@ def _greedy(url: str, model: str, prompt: list[int]) -> list[int]:
         "return_token_ids": True,
     }
     r = httpx.post(f"{url}/v1/completions", json=body, timeout=600)
-    assert r.status_code == 200, r.text
+    assert r.status_code == 200, r.text + (_tails(cluster) if cluster else "")
     choice = r.json()["choices"][0]
     assert choice["finish_reason"] == "length"
     return list(choice["token_ids"])
+
+
+def _tails(cluster: Cluster) -> str:
+    return "".join(f"\n--- {p.name} ({p.log_path}):\n{p.log_tail()}" for p in cluster.processes)
 
 
 def test_serve_engine_vllm_answers_a_completion(mono: VllmServer) -> None:
@@ -77,7 +82,7 @@ def test_up_engine_vllm_nixl_pull_equals_monolithic(
         stop_timeout_s=60,
     )
     with Cluster(config) as cluster:
-        got = [_greedy(cluster.router_url, str(checkpoint), p) for p in PROMPTS]
+        got = [_greedy(cluster.router_url, str(checkpoint), p, cluster) for p in PROMPTS]
         metrics = httpx.get(f"{cluster.router_url}/metrics").text
         d_log = cluster.instance("decode-0").log_path.read_text()
     assert got == reference
@@ -106,7 +111,7 @@ def test_up_engine_vllm_pdserve_push_legs_at_once_equals_monolithic(
     with Cluster(config) as cluster:
         url, model = cluster.router_url, str(checkpoint)
         with ThreadPoolExecutor(len(PUSH_PROMPTS)) as pool:  # all at once: P queues them
-            got = list(pool.map(lambda p: _greedy(url, model, p), PUSH_PROMPTS))
+            got = list(pool.map(lambda p: _greedy(url, model, p, cluster), PUSH_PROMPTS))
         metrics = httpx.get(f"{url}/metrics").text
         p_log = cluster.instance("prefill-0").log_path.read_text()
         d_log = cluster.instance("decode-0").log_path.read_text()
